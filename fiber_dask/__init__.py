@@ -1,0 +1,43 @@
+"""fiber-dask: Python's ``multiprocessing`` API on a Dask cluster.
+
+``import fiber_dask as multiprocessing`` and run the same code on a laptop, an
+existing Dask scheduler, or an adaptive Kubernetes deployment.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import AuthenticationError, BufferTooShort, ProcessError, TimeoutError
+
+from . import config  # noqa: F401  (loads the fiber.* defaults into dask.config)
+from .cluster import init, shutdown
+from .context import DaskContext, default_context, get_context
+from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "BufferTooShort",
+    "ProcessError",
+    "TimeoutError",
+    "ClusterConnectionError",
+    "PoolTerminatedError",
+    "WorkerLostError",
+    "DaskContext",
+    "get_context",
+    "init",
+    "shutdown",
+]
+
+# The top level is the default context's bound methods, as in multiprocessing.
+_ctx = default_context
+for _name in (
+    "Pool", "ThreadPool", "cpu_count", "current_process", "active_children",
+    "parent_process", "get_start_method", "Process", "Queue", "SimpleQueue",
+    "JoinableQueue", "Pipe", "Manager", "Lock", "RLock", "Semaphore",
+    "BoundedSemaphore", "Event", "Condition", "Barrier", "Value", "Array",
+    "RawValue", "RawArray",
+):
+    globals()[_name] = getattr(_ctx, _name)
+    __all__.append(_name)
+del _name

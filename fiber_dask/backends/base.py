@@ -1,0 +1,67 @@
+"""The backend interface and the handle the cluster layer keeps."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["Backend", "ClusterHandle", "route_host"]
+
+
+@dataclass
+class ClusterHandle:
+    """A connected client and what fiber-dask knows about where it came from.
+
+    ``owned`` is True only for clusters fiber-dask started itself: those, and
+    only those, are shut down by :func:`fiber_dask.shutdown`.
+    """
+
+    client: Any
+    cluster: Any = None
+    owned: bool = False
+    backend: str = "address"
+    listen_host: str | None = None
+
+    def close(self) -> None:
+        if self.owned:
+            try:
+                self.client.close()
+            finally:
+                if self.cluster is not None:
+                    self.cluster.close()
+        # A client we attached to a cluster we did not start is left open for
+        # its owner; a client we created ourselves is closed without touching
+        # the scheduler.
+        elif getattr(self.client, "_fiber_created", False):
+            self.client.close()
+
+
+class Backend:
+    """Base class of a backend.  Subclasses set ``name`` and implement ``start``."""
+
+    name: ClassVar[str] = ""
+
+    def start(self, *, address: str | None = None) -> ClusterHandle:
+        """Start or attach to a cluster and return a connected handle."""
+        raise NotImplementedError
+
+
+def route_host(address: str) -> str:
+    """The local IP address this host uses to reach ``address`` (a Dask URI).
+
+    The direct channel listens there, so workers that can reach the scheduler
+    can reach us, and nothing listens on other interfaces.
+    """
+    from distributed.comm import get_address_host
+
+    host = get_address_host(address)
+    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return "127.0.0.1" if ":" not in host else host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP connect sends nothing; it picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,50 @@
+"""The embedded default: a LocalCluster of worker processes on this machine."""
+
+from __future__ import annotations
+
+import os
+
+from .. import config
+from .base import Backend, ClusterHandle
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend(Backend):
+    """Start a ``distributed.LocalCluster`` of worker *processes*, one thread each.
+
+    Like ``multiprocessing``, each task slot is its own OS process.  The
+    scheduler and the fiber-dask channel listen on 127.0.0.1 only.
+    """
+
+    name = "local"
+
+    def start(self, *, address: str | None = None) -> ClusterHandle:
+        from distributed import Client, LocalCluster
+
+        n_workers = config.get("local.n-workers") or os.cpu_count() or 1
+        adaptive = config.get("adaptive.enabled")
+        cluster = LocalCluster(
+            n_workers=0 if adaptive else n_workers,
+            threads_per_worker=config.get("local.threads-per-worker"),
+            processes=True,
+            memory_limit=config.get("local.memory-limit"),
+            dashboard_address=config.get("local.dashboard-address"),
+            host="127.0.0.1",
+            scheduler_port=0,
+        )
+        try:
+            if adaptive:
+                cluster.adapt(
+                    minimum=config.get("adaptive.minimum"),
+                    maximum=config.get("adaptive.maximum") or n_workers,
+                    target_duration=config.get("adaptive.target-duration"),
+                    interval=config.get("adaptive.interval"),
+                    wait_count=config.get("adaptive.wait-count"),
+                )
+            client = Client(cluster, set_as_default=False)
+        except BaseException:
+            cluster.close()
+            raise
+        host = config.get("listen-host") or "127.0.0.1"
+        return ClusterHandle(client, cluster, owned=True, backend=self.name, listen_host=host)

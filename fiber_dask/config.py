@@ -1,0 +1,575 @@
+"""Configuration of fiber-dask: the ``fiber`` namespace of Dask's config system.
+
+Importing this module loads ``fiber.yaml`` next to it into Dask's defaults
+(:func:`dask.config.update_defaults`), so every ``fiber.*`` key exists and can be
+overridden the usual Dask ways: ``dask.config.set``, ``DASK_FIBER__POOL__CHUNKSIZE=8``
+environment variables, YAML files in ``~/.config/dask/``, ``/etc/dask/`` or
+``$DASK_CONFIG``.  Nothing is ever written to the user's home directory.
+
+The import is kept cheap (no ``distributed``, no ``jsonschema``) because it happens on
+``import fiber_dask``; :func:`validate` imports ``jsonschema`` the first time it runs.
+
+::
+
+    fiber.yaml ──update_defaults──► dask.config ◄── YAML, DASK_FIBER__*, set()
+                                        │
+                   get() / timedelta() ─┼─► values for Pool, cluster, backends
+                   validate() ──────────┴─► fiber-schema.yaml + installed backends
+                                              └─► ConfigError: key, value,
+                                                  allowed, source
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import cache
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import dask.config
+import yaml
+
+if TYPE_CHECKING:
+    import jsonschema
+
+__all__ = [
+    "BUILTIN_BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "ConfigError",
+    "Problem",
+    "available_backends",
+    "defaults",
+    "get",
+    "schema",
+    "timedelta",
+    "validate",
+]
+
+#: Backends that ship with fiber-dask; plugins add more through entry points.
+BUILTIN_BACKENDS = frozenset({"local", "address"})
+#: Entry-point group in which backends register their names.
+ENTRY_POINT_GROUP = "fiber_dask.backends"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULTS_PATH = os.path.join(_HERE, "fiber.yaml")
+SCHEMA_PATH = os.path.join(_HERE, "fiber-schema.yaml")
+
+with open(DEFAULTS_PATH) as _f:
+    #: The defaults as loaded from fiber.yaml (``{"fiber": {...}}``); do not mutate.
+    defaults: dict[str, Any] = yaml.safe_load(_f)
+
+# Dask keeps the object it is given in ``dask.config.defaults`` and re-applies it on
+# every ``dask.config.refresh()``; hand it a copy so nobody can change the defaults
+# through the module attribute.
+dask.config.update_defaults(copy.deepcopy(defaults))
+
+
+# --------------------------------------------------------------------------- access
+
+
+def get(key: str, override: Any = None) -> Any:
+    """Return the value of ``fiber.<key>``, or ``override`` when it is not None.
+
+    Parameters
+    ----------
+    key : str
+        Dotted key below the ``fiber`` namespace, e.g. ``"pool.chunksize"``.
+    override : object, optional
+        A value given explicitly by the caller (typically a keyword argument whose
+        default is None); returned unchanged when not None.
+
+    Returns
+    -------
+    object
+        The configured value.
+
+    Examples
+    --------
+    >>> from fiber_dask import config
+    >>> config.get("local.threads-per-worker")
+    1
+    >>> config.get("pool.chunksize", override=8)
+    8
+    """
+    return dask.config.get("fiber." + key, override_with=override)
+
+
+def timedelta(key: str, override: Any = None) -> float:
+    """Return the duration ``fiber.<key>`` (or ``override``) in seconds.
+
+    Parameters
+    ----------
+    key : str
+        Dotted key below the ``fiber`` namespace, e.g. ``"connect-timeout"``.
+    override : str, float or datetime.timedelta, optional
+        A duration given explicitly by the caller; used when not None.
+
+    Returns
+    -------
+    float
+        Seconds.
+
+    Raises
+    ------
+    ConfigError
+        If the value is not a duration.
+
+    Examples
+    --------
+    >>> from fiber_dask import config
+    >>> config.timedelta("pool.prefetch")
+    0.02
+    >>> config.timedelta("connect-timeout", override="1m")
+    60.0
+    """
+    from dask.utils import parse_timedelta
+
+    value = get(key, override)
+    try:
+        seconds = parse_timedelta(value, default="seconds")
+    except (ValueError, KeyError, TypeError, IndexError):
+        seconds = None
+    if seconds is None or seconds < 0:
+        what = "the argument for" if override is not None else "the setting"
+        raise ConfigError(
+            f"{what} fiber.{key} = {value!r} is not a duration; expected a string "
+            "such as '5s', '20ms', '1m' or a non-negative number of seconds"
+        )
+    return float(seconds)
+
+
+# ----------------------------------------------------------------------- validation
+
+
+class Problem(NamedTuple):
+    """One thing wrong with the configuration, as collected by :func:`validate`."""
+
+    #: Dotted key, e.g. ``"fiber.local.n-workers"``.
+    key: str
+    #: The offending value.
+    value: Any
+    #: What is wrong, e.g. ``"unknown key; did you mean 'chunksize'?"``.
+    reason: str
+    #: What would be accepted.
+    allowed: str
+    #: Where the value came from (environment variable, file, code).
+    source: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.key} = {self.value!r}\n"
+            f"    {self.reason}\n"
+            f"    allowed: {self.allowed}\n"
+            f"    from: {self.source}"
+        )
+
+
+class ConfigError(ValueError):
+    """The ``fiber`` configuration is invalid.
+
+    The message names every offending key, its value, what is allowed and where the
+    value came from; the same information is available as :attr:`problems`.
+    """
+
+    def __init__(self, message: str, problems: Sequence[Problem] = ()) -> None:
+        super().__init__(message)
+        #: The individual problems, most relevant first.
+        self.problems: tuple[Problem, ...] = tuple(problems)
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """Return the JSON Schema of the ``fiber`` namespace (``fiber-schema.yaml``).
+
+    The dict is loaded once and shared; do not mutate it.
+
+    Returns
+    -------
+    dict
+        The schema, whose ``properties.fiber`` describes every key.
+    """
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+@cache
+def _validator() -> jsonschema.Draft7Validator:
+    # Imported here, not at module top, so that ``import fiber_dask`` stays cheap.
+    import jsonschema
+
+    return jsonschema.Draft7Validator(schema())
+
+
+def available_backends() -> list[str]:
+    """Return the names usable as ``fiber.backend``, sorted.
+
+    These are the built-in ``local`` and ``address`` plus every name registered in
+    the ``fiber_dask.backends`` entry-point group by an installed distribution.
+
+    Returns
+    -------
+    list of str
+
+    Examples
+    --------
+    >>> from fiber_dask import config
+    >>> {"address", "local"} <= set(config.available_backends())
+    True
+    """
+    from importlib.metadata import entry_points
+
+    try:
+        registered = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    except Exception:  # noqa: BLE001
+        # A broken distribution's metadata must not make every Pool creation fail;
+        # the built-in names are still usable and an unknown name is still reported.
+        registered = set()
+    return sorted(BUILTIN_BACKENDS | registered)
+
+
+# The last configuration that passed validation, frozen (see _freeze) and as a copy.
+# validate() runs on every Pool creation, so a repeat of a known-good state costs one
+# walk of a small dict instead of a schema validation and an entry-point scan.
+_last_valid: tuple[Any, dict[str, Any]] | None = None
+
+
+def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+    """Check the current ``fiber`` configuration and return it.
+
+    The configuration is checked against ``fiber-schema.yaml`` (types, minimums,
+    duration patterns, no unknown keys) and ``fiber.backend`` against
+    :func:`available_backends`.  A configuration equal to the last valid one is not
+    checked again.
+
+    Parameters
+    ----------
+    extra_paths : iterable of path-like, optional
+        Further YAML files or directories to search when naming where a bad value
+        came from, for configuration loaded from places other than
+        ``dask.config.paths`` and ``$DASK_CONFIG`` (e.g. a ``--config FILE`` option).
+
+    Returns
+    -------
+    dict
+        A copy of ``dask.config.get("fiber")``.
+
+    Raises
+    ------
+    ConfigError
+        Listing every problem, most relevant first, each with the dotted key, the
+        value, what is allowed and its source: an environment variable, a YAML file,
+        or code (``dask.config.set``).
+
+    Examples
+    --------
+    >>> import dask
+    >>> from fiber_dask import config
+    >>> config.validate()["local"]["threads-per-worker"]
+    1
+    >>> with dask.config.set({"fiber.local.n-workers": 0}):
+    ...     config.validate()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fiber_dask.config.ConfigError: Invalid fiber-dask configuration (1 problem):
+    ...
+    """
+    global _last_valid
+
+    current = dask.config.get("fiber", default=None)
+    frozen = _freeze(current)
+    last = _last_valid
+    if last is not None and last[0] == frozen:
+        return copy.deepcopy(last[1])
+
+    # dask treats "n_workers" and "n-workers" as one key and keeps whichever spelling
+    # it saw first, so an environment variable read when dask was imported (before
+    # these defaults were added) leaves "n_workers" in the config.  Validate and
+    # return the schema's spelling.
+    current = _canonicalize(current, schema()["properties"]["fiber"])
+    problems = _collect_problems(current, [os.fspath(p) for p in extra_paths])
+    if problems:
+        n = len(problems)
+        header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
+        body = "\n\n".join(str(p) for p in problems)
+        footer = f"Every key and its meaning: {SCHEMA_PATH}"
+        raise ConfigError(f"{header}\n\n{body}\n\n{footer}", problems)
+
+    snapshot = copy.deepcopy(current)
+    _last_valid = (frozen, snapshot)
+    return copy.deepcopy(snapshot)
+
+
+def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
+    from jsonschema.exceptions import relevance
+
+    def problem(parts: list[str], value: Any, reason: str, allowed: str) -> Problem:
+        source = _find_source(parts, value, extra_paths)
+        return Problem(".".join(parts), value, reason, allowed, source)
+
+    if current is None:
+        # Only possible if someone refreshed Dask's config without our defaults.
+        return [
+            problem(
+                ["fiber"],
+                None,
+                "the fiber section is missing from Dask's config",
+                _describe(schema()["properties"]["fiber"]),
+            )
+        ]
+
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    errors = sorted(
+        _validator().iter_errors({"fiber": current}), key=relevance, reverse=True
+    )
+    for error in errors:
+        parts = [str(p) for p in error.absolute_path]
+        if error.validator == "additionalProperties":
+            # One jsonschema error for the object; one problem per unknown key.
+            known = sorted(error.schema.get("properties", {}))
+            for name in error.instance:
+                if name in known:
+                    continue
+                reason = "unknown key"
+                guess = _did_you_mean(str(name), known)
+                if guess:
+                    reason += f"; did you mean {guess!r}?"
+                key_parts = [*parts, str(name)]
+                if ".".join(key_parts) not in seen:
+                    seen.add(".".join(key_parts))
+                    allowed = f"the keys {', '.join(known)}"
+                    value = error.instance[name]
+                    problems.append(problem(key_parts, value, reason, allowed))
+            continue
+        key = ".".join(parts)
+        if key in seen:  # e.g. both `type` and `minimum` failed: report the key once
+            continue
+        seen.add(key)
+        problems.append(
+            problem(parts, error.instance, _reason(error), _describe(error.schema))
+        )
+
+    # Checks a JSON Schema cannot express.  They read values only where the schema
+    # found no problem, so a value already reported is not reported twice.
+    backend = current.get("backend") if isinstance(current, Mapping) else None
+    if isinstance(backend, str) and "fiber.backend" not in seen:
+        names = available_backends()
+        if backend not in names:
+            reason = "unknown backend"
+            guess = _did_you_mean(backend, names)
+            if guess:
+                reason += f"; did you mean {guess!r}?"
+            allowed = (
+                f"null (automatic) or an installed backend: {', '.join(names)} "
+                f"(plugins register more in the entry-point group {ENTRY_POINT_GROUP})"
+            )
+            problems.append(problem(["fiber", "backend"], backend, reason, allowed))
+
+    adaptive = current.get("adaptive") if isinstance(current, Mapping) else None
+    if isinstance(adaptive, Mapping) and not seen & {
+        "fiber.adaptive.minimum",
+        "fiber.adaptive.maximum",
+    }:
+        low, high = adaptive.get("minimum"), adaptive.get("maximum")
+        if isinstance(low, int) and isinstance(high, int) and high < low:
+            problems.append(
+                problem(
+                    ["fiber", "adaptive", "maximum"],
+                    high,
+                    f"is below fiber.adaptive.minimum = {low}",
+                    f"an integer >= fiber.adaptive.minimum ({low}), or null",
+                )
+            )
+    return problems
+
+
+def _canonicalize(data: Any, node: Mapping[str, Any]) -> Any:
+    """Copy ``data`` with keys respelt as in the schema ("n_workers" -> "n-workers").
+
+    A key whose schema spelling is also present is left alone (and then reported as
+    unknown): dask reads the schema spelling in that case, so the other is ignored.
+    """
+    properties = node.get("properties")
+    if not isinstance(data, Mapping) or not properties:
+        return data
+    result: dict[Any, Any] = {}
+    for key, value in data.items():
+        name = key
+        if isinstance(key, str) and key not in properties:
+            respelt = key.replace("_", "-")
+            if respelt in properties and respelt not in data:
+                name = respelt
+        result[name] = _canonicalize(value, properties.get(name, {}))
+    return result
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str | None:
+    import difflib
+
+    # Dask treats "-" and "_" alike (DASK_FIBER__POOL__MAX_IN_FLIGHT), so compare in
+    # one spelling; case does not matter in environment variable names either.
+    def norm(s: str) -> str:
+        return s.lower().replace("_", "-")
+
+    by_norm = {norm(c): c for c in candidates}
+    match = difflib.get_close_matches(norm(name), list(by_norm), n=1, cutoff=0.6)
+    return by_norm[match[0]] if match else None
+
+
+_TYPE_WORDS = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "true or false",
+    "null": "null",
+    "object": "a mapping",
+    "array": "a list",
+}
+
+
+def _describe(s: Mapping[str, Any]) -> str:
+    """Say in words what a (sub)schema accepts: 'an integer (minimum 1) or null'."""
+    if "anyOf" in s or "oneOf" in s:
+        text = " or ".join(_describe(sub) for sub in s.get("anyOf", s.get("oneOf")))
+    elif "enum" in s:
+        text = "one of " + ", ".join(repr(v) for v in s["enum"])
+    elif "const" in s:
+        text = repr(s["const"])
+    else:
+        types = s.get("type", [])
+        words = []
+        for t in [types] if isinstance(types, str) else types:
+            word = _TYPE_WORDS.get(t, t)
+            if t in ("integer", "number") and "minimum" in s:
+                word += f" (minimum {s['minimum']})"
+            if t == "string" and s.get("minLength"):
+                word = "a non-empty string"
+            if t == "string" and "pattern" in s:
+                word += f" matching {s['pattern']!r}"
+            if t == "object" and "properties" in s:
+                word += f" with the keys {', '.join(sorted(s['properties']))}"
+            words.append(word)
+        text = " or ".join(words) or "anything"
+    if s.get("examples"):
+        text += f" (e.g. {', '.join(repr(e) for e in s['examples'])})"
+    return text
+
+
+def _reason(error: jsonschema.ValidationError) -> str:
+    """Say in words why a value failed, independent of jsonschema's wording."""
+    kind, limit, value = error.validator, error.validator_value, error.instance
+    if kind == "type":
+        return f"wrong type: {type(value).__name__}"
+    if kind == "minimum":
+        return f"{value!r} is below the minimum {limit}"
+    if kind == "pattern":
+        # The pattern itself is shown once, under "allowed".
+        return f"{value!r} is not in the expected format"
+    if kind == "minLength":
+        return "must not be empty"
+    if kind in ("enum", "const"):
+        return f"{value!r} is not an allowed value"
+    if kind in ("anyOf", "oneOf") and error.context:
+        # Explain with the alternative whose type matched (the string branch for a
+        # bad duration string), not with "is not of type 'number'".
+        typed = [e for e in error.context if e.validator != "type"]
+        if typed:
+            return _reason(typed[0])
+        return f"wrong type: {type(value).__name__}"
+    return error.message
+
+
+# --------------------------------------------------------------- where values come from
+
+
+def _find_source(parts: list[str], value: Any, extra_paths: Sequence[str]) -> str:
+    """Name where ``value`` at ``parts`` came from, checking sources by priority.
+
+    A source "matches" when it sets the key to this very value; a value set in code
+    over another source's different value is thus reported as set in code.
+    """
+    want = _freeze(value)
+
+    # 1. Environment variables, DASK_FIBER__LOCAL__N_WORKERS -> fiber.local.n-workers,
+    #    including one that sets a whole section, e.g. DASK_FIBER__POOL="{...}".
+    target = [_norm(p) for p in parts]
+    for name, raw in os.environ.items():
+        if not name.startswith("DASK_") or name == "DASK_INTERNAL_INHERIT_CONFIG":
+            continue
+        env_parts = [_norm(p) for p in name[5:].lower().replace("__", ".").split(".")]
+        if target[: len(env_parts)] != env_parts:
+            continue
+        found, sub = _walk(dask.config.interpret_value(raw), parts[len(env_parts) :])
+        if found and _freeze(sub) == want:
+            return f"environment variable {name}"
+
+    # 2. Config inherited from a parent process (how distributed passes config on).
+    inherited = os.environ.get("DASK_INTERNAL_INHERIT_CONFIG")
+    if inherited:
+        try:
+            found, sub = _walk(dask.config.deserialize(inherited), parts)
+        except Exception:  # noqa: BLE001 - a bad blob just is not the source
+            found = False
+        if found and _freeze(sub) == want:
+            return (
+                "config inherited from the parent process "
+                "(DASK_INTERNAL_INHERIT_CONFIG)"
+            )
+
+    # 3. YAML files; dask lets a later file win, so look from the last one back.
+    for path, data in reversed(list(_config_files(extra_paths))):
+        found, sub = _walk(data, parts)
+        if found and _freeze(sub) == want:
+            return f"file {path}"
+
+    return "set in code (dask.config.set)"
+
+
+def _config_files(extra_paths: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    paths = list(dask.config.paths)
+    # dask.config.paths is computed when dask is imported; a DASK_CONFIG set later
+    # (and loaded with dask.config.refresh(paths=...)) is still worth searching.
+    env_path = os.environ.get("DASK_CONFIG")
+    for extra in ([env_path] if env_path else []) + list(extra_paths):
+        if extra not in paths:
+            paths.append(extra)
+    for path in paths:
+        try:
+            yield from dask.config.collect_yaml([path], return_paths=True)
+        except ValueError:
+            # A malformed file: dask reports it itself when loading; it cannot be
+            # the source of a value that made it into the config.
+            continue
+
+
+def _norm(key: str) -> str:
+    return key.replace("_", "-")
+
+
+def _walk(data: Any, parts: Sequence[str]) -> tuple[bool, Any]:
+    """Follow ``parts`` into nested mappings; '-' and '_' are alike, as for dask."""
+    for part in parts:
+        if not isinstance(data, Mapping):
+            return False, None
+        for candidate in (part, part.replace("-", "_"), part.replace("_", "-")):
+            if candidate in data:
+                data = data[candidate]
+                break
+        else:
+            return False, None
+    return True, data
+
+
+def _freeze(obj: Any) -> Any:
+    """A comparable snapshot of ``obj`` that tells True from 1 and 1 from 1.0.
+
+    Plain ``==`` would let ``{"threads-per-worker": True}`` pass validation by being
+    equal to an earlier, valid ``1``.
+    """
+    if isinstance(obj, Mapping):
+        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
+        return (dict, tuple((str(k), _freeze(v)) for k, v in items))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_freeze(v) for v in obj))
+    return (type(obj), obj)

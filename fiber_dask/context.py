@@ -1,0 +1,114 @@
+"""The hub: a context object whose factories build fiber-dask objects.
+
+As in ``multiprocessing.context``, the top-level namespace is the bound methods
+of one default context, and each factory imports its module lazily so that
+``import fiber_dask`` stays cheap and starts nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+__all__ = ["DaskContext", "get_context", "default_context"]
+
+_PLANNED = {
+    "Process": "issue #3 (processes, queues and pipes across the cluster)",
+    "Queue": "issue #3 (processes, queues and pipes across the cluster)",
+    "SimpleQueue": "issue #3 (processes, queues and pipes across the cluster)",
+    "JoinableQueue": "issue #3 (processes, queues and pipes across the cluster)",
+    "Pipe": "issue #3 (processes, queues and pipes across the cluster)",
+    "Manager": "issue #4 (managers and synchronization)",
+    "Lock": "issue #4 (managers and synchronization)",
+    "RLock": "issue #4 (managers and synchronization)",
+    "Semaphore": "issue #4 (managers and synchronization)",
+    "BoundedSemaphore": "issue #4 (managers and synchronization)",
+    "Event": "issue #4 (managers and synchronization)",
+    "Condition": "issue #4 (managers and synchronization)",
+    "Barrier": "issue #4 (managers and synchronization)",
+    "Value": "issue #4 (managers and synchronization)",
+    "Array": "issue #4 (managers and synchronization)",
+    "RawValue": "issue #4 (managers and synchronization)",
+    "RawArray": "issue #4 (managers and synchronization)",
+}
+
+
+def _not_yet(name: str):
+    def factory(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"fiber_dask.{name} is not implemented yet (planned: {_PLANNED[name]}). "
+            "Only Pool runs on the cluster in this version; use the stdlib's "
+            f"multiprocessing.{name} for single-machine code meanwhile."
+        )
+
+    factory.__name__ = name
+    factory.__doc__ = f"Not implemented yet: raises NotImplementedError ({_PLANNED[name]})."
+    return factory
+
+
+class DaskContext:
+    """A ``multiprocessing`` context whose objects live on a Dask cluster."""
+
+    _name = "dask"
+
+    ProcessError = multiprocessing.ProcessError
+    BufferTooShort = multiprocessing.BufferTooShort
+    TimeoutError = multiprocessing.TimeoutError
+    AuthenticationError = multiprocessing.AuthenticationError
+
+    def Pool(  # noqa: N802 - the stdlib's name
+        self,
+        processes: int | None = None,
+        initializer: Any = None,
+        initargs: Any = (),
+        maxtasksperchild: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Returns a process pool object (see :class:`fiber_dask.pool.Pool`)."""
+        from .pool import Pool
+
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self, **kwargs)
+
+    def ThreadPool(self, processes=None, initializer=None, initargs=()):  # noqa: N802
+        """The stdlib's ThreadPool: threads of this process, sharing its memory."""
+        from multiprocessing.pool import ThreadPool
+
+        return ThreadPool(processes, initializer, initargs)
+
+    def cpu_count(self) -> int:
+        """How many tasks the cluster runs at once (its worker threads).
+
+        This is what ``Pool()`` uses by default, as the stdlib uses the
+        machine's CPUs.  It binds to the cluster (starting the embedded one).
+        """
+        from . import cluster
+
+        return cluster.task_slots()
+
+    def get_context(self, method: str | None = None) -> DaskContext:
+        """This context.  Start methods do not apply to a Dask cluster."""
+        return self
+
+    def get_start_method(self, allow_none: bool = False) -> str:
+        return self._name
+
+    def current_process(self) -> Any:
+        return multiprocessing.current_process()
+
+    def active_children(self) -> list:
+        return multiprocessing.active_children()
+
+    def parent_process(self) -> Any:
+        return multiprocessing.parent_process()
+
+
+for _name in _PLANNED:
+    setattr(DaskContext, _name, _not_yet(_name))
+del _name
+
+default_context = DaskContext()
+
+
+def get_context(method: str | None = None) -> DaskContext:
+    """The fiber-dask context (``method`` is accepted and ignored)."""
+    return default_context.get_context(method)

@@ -1,0 +1,31 @@
+"""fiber-dask's own errors.  Each subclasses the stdlib class a caller already catches."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+__all__ = [
+    "ClusterConnectionError",
+    "PoolTerminatedError",
+    "WorkerLostError",
+]
+
+
+class WorkerLostError(multiprocessing.ProcessError):
+    """A task's worker process died more often than the configured limit allows.
+
+    A worker that dies (SIGKILL, out of memory, a lost host) costs a re-run of the
+    work it held; a task that keeps killing the workers it lands on ends in this
+    error instead of a hang.
+    """
+
+
+class PoolTerminatedError(multiprocessing.ProcessError):
+    """The pool was terminated before this result was computed.
+
+    The stdlib leaves such results waiting forever; fiber-dask tells the caller.
+    """
+
+
+class ClusterConnectionError(ConnectionError):
+    """The Dask scheduler could not be reached or started."""

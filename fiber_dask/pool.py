@@ -1,0 +1,780 @@
+"""``Pool``: ``multiprocessing.pool.Pool`` on a Dask cluster.
+
+How a call travels::
+
+    caller thread            result thread (one per pool)        Dask worker process
+    ─────────────            ────────────────────────────        ───────────────────
+    apply_async/map/imap
+      job → self._jobs
+      _dispatch(): pick the   ◄─ ("R", ckey, ok, blob) ───────── pool-worker loop
+      least-loaded loop,         _on_result: refill that loop,     (a long-running
+      pickle chunk, send ─────────────────────────────────────►    Dask task, one
+                                 then settle the job: callbacks,    per slot)
+                                 event.set()
+    Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
+    died, scales the cluster.  Per task there is no scheduler round trip.
+
+Each loop keeps a few chunks queued (``fiber.pool.prefetch`` worth of work,
+learned from observed chunk times) so it never waits for the owner, and long
+tasks are handed out one at a time so the tail stays balanced.
+
+A loop whose connection drops (its worker died) has its in-flight chunks sent
+again to the other loops; a chunk that has lost more workers than
+``fiber.pool.allowed-failures`` fails with :class:`WorkerLostError` instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from multiprocessing import TimeoutError  # noqa: F401  (re-exported as in stdlib)
+from multiprocessing.connection import wait
+from multiprocessing.pool import MaybeEncodingError, RemoteTraceback  # noqa: F401
+from typing import Any, Callable, Iterable
+
+import cloudpickle
+
+# ThreadPool runs tasks in threads of the calling process, sharing its memory;
+# code written for it may rely on that, so fiber-dask gives the stdlib's own.
+from multiprocessing.pool import ThreadPool  # noqa: F401
+
+from . import channel, cluster, config
+from .errors import PoolTerminatedError, WorkerLostError
+from .poolworker import run_pool_worker
+from .results import ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
+
+__all__ = [
+    "Pool",
+    "ThreadPool",
+    "AsyncResult",
+    "ApplyResult",
+    "MapResult",
+    "IMapIterator",
+    "IMapUnorderedIterator",
+    "MaybeEncodingError",
+    "RemoteTraceback",
+    "TimeoutError",
+]
+
+logger = logging.getLogger(__name__)
+
+INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
+
+_MAX_DEPTH = 64
+_FUNC_CACHE = 256
+_STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after "stop"
+
+_live_pools: weakref.WeakSet = weakref.WeakSet()
+_slots_lock = threading.Lock()
+_slots_in_use: dict[int, int] = {}  # id(handle) -> loops of live pools
+
+
+class _Chunk:
+    __slots__ = ("job", "index", "items", "attempts", "worker")
+
+    def __init__(self, job, index, items):
+        self.job, self.index, self.items = job, index, items
+        self.attempts = 0
+        self.worker = None
+
+
+class _Peer:
+    """One connected pool-worker loop."""
+
+    __slots__ = ("conn", "inflight", "fids", "ewma", "pid", "worker", "slot", "retiring", "broken")
+
+    def __init__(self, conn, hello):
+        self.conn = conn
+        self.inflight: dict[int, _Chunk] = {}
+        self.fids: set[int] = set()
+        self.ewma: float | None = None
+        self.pid = hello.get("pid")
+        self.worker = hello.get("worker")
+        self.slot = hello.get("slot")
+        self.retiring = False
+        self.broken = False
+
+    def depth(self, prefetch: float, recycle: bool) -> int:
+        """How many chunks to keep at this loop: one running plus a queue
+        holding about ``prefetch`` seconds of work (none for long tasks)."""
+        if recycle:
+            return 1
+        if self.ewma is None:
+            return 1  # unknown task length: hand out one at a time until measured
+        return min(_MAX_DEPTH, 1 + int(prefetch / max(self.ewma, 1e-6)))
+
+
+class Pool:
+    """A process pool whose processes are Dask workers.
+
+    Same signature and behaviour as :class:`multiprocessing.pool.Pool`; the
+    keyword-only arguments after the stdlib ones are fiber-dask's.
+
+    Parameters
+    ----------
+    processes : int, optional
+        How many tasks run at once.  Default: the cluster's task slots
+        (``fiber_dask.cpu_count()``).  On the embedded cluster fiber-dask
+        starts more worker processes if needed; elsewhere extra loops wait
+        for free slots (or adaptive scaling).
+    initializer, initargs
+        ``initializer(*initargs)`` runs in each worker process before its first
+        task (again if the loop is re-run after a worker died).
+    maxtasksperchild : int, optional
+        After this many chunks a loop ends and a new one starts (its
+        initializer runs again).  The Dask worker *process* is reused: see the
+        warning it emits.
+    context
+        Accepted for compatibility and ignored.
+    client : distributed.Client, optional
+        Run on this client's cluster.
+    address : str, optional
+        Attach to the scheduler at this address.
+    resources : dict, optional
+        Dask worker resources each pool slot needs, e.g. ``{"GPU": 1}``.
+    retries : int, optional
+        Re-run a task that raises up to this many times before reporting it.
+
+    Examples
+    --------
+    >>> import fiber_dask as multiprocessing
+    >>> with multiprocessing.Pool(4) as pool:           # doctest: +SKIP
+    ...     pool.map(abs, [-1, -2, 3])
+    [1, 2, 3]
+    """
+
+    _wrap_exception = True
+
+    def __init__(
+        self,
+        processes: int | None = None,
+        initializer: Callable | None = None,
+        initargs: Iterable = (),
+        maxtasksperchild: int | None = None,
+        context: Any = None,
+        *,
+        client: Any = None,
+        address: str | None = None,
+        resources: dict | None = None,
+        retries: int | None = None,
+    ) -> None:
+        self._state = INIT
+        if processes is not None and processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if maxtasksperchild is not None and (
+            not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0
+        ):
+            raise ValueError("maxtasksperchild must be a positive int or None")
+        if retries is not None and (not isinstance(retries, int) or retries < 0):
+            raise ValueError(f"retries must be a non-negative int or None, not {retries!r}")
+        if maxtasksperchild is not None:
+            warnings.warn(
+                "maxtasksperchild: fiber-dask restarts the pool-worker loop (and runs the "
+                "initializer again) after that many tasks, but the Dask worker process "
+                "itself is reused, so memory a task leaked is not returned.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._handle = cluster.get_handle(client=client, address=address)
+        self._client = self._handle.client
+        if processes is None:
+            processes = cluster.task_slots(self._handle)
+        self._processes = processes
+        self._maxtasks = maxtasksperchild
+        self._resources = resources
+        self._retries = retries or 0
+        self._prefetch = config.timedelta("pool.prefetch")
+        allowed = config.get("pool.allowed-failures")
+        if allowed is None:
+            import dask
+
+            allowed = dask.config.get("distributed.scheduler.allowed-failures")
+        self._allowed_failures = int(allowed)
+        self._max_in_flight = config.get("pool.max-in-flight") or max(16, 4 * processes)
+        self._default_chunksize = config.get("pool.chunksize")
+
+        self._lock = threading.RLock()
+        self._jobs: collections.deque = collections.deque()  # jobs with chunks to produce
+        self._retry: collections.deque = collections.deque()  # chunks whose worker died
+        self._cache: set = set()  # unfinished jobs
+        self._peers: dict[Any, _Peer] = {}
+        self._ckeys = itertools.count()
+        self._fids: collections.OrderedDict = collections.OrderedDict()
+        self._fid_counter = itertools.count()
+        self._loops: dict[str, Any] = {}
+        self._loop_done: collections.deque = collections.deque()
+        self._loop_failures = 0
+        self._broken: BaseException | None = None
+        self._draining = False
+        self._stop_sent: float | None = None
+        self._no_peers_since = time.monotonic()
+        self._warned_waiting = False
+
+        self._token = uuid.uuid4().hex[:12]
+        self._service = f"pool-{self._token}"
+        authkey = _authkey()
+        self._server = channel.get_server(self._handle.listen_host or "127.0.0.1", authkey)
+        self._server.register(self._service, functools.partial(_on_connect, weakref.ref(self)))
+        self._init_blob = (
+            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+        )
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._slot_counter = itertools.count()
+        with _slots_lock:
+            key = id(self._handle)
+            _slots_in_use[key] = _slots_in_use.get(key, 0) + processes
+            needed = _slots_in_use[key]
+            self._processes_counted = True
+        cluster.ensure_slots(self._handle, needed)
+        self._state = RUN
+        _live_pools.add(self)
+        self._submit_loops(processes)
+        self._thread = threading.Thread(
+            target=_result_thread, args=(weakref.ref(self),), name="fiber-pool-results", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def __repr__(self) -> str:
+        cls = type(self)
+        return (
+            f"<{cls.__module__}.{cls.__qualname__} state={self._state} "
+            f"pool_size={self._processes}>"
+        )
+
+    def __reduce__(self):
+        raise NotImplementedError(
+            "pool objects cannot be passed between processes or pickled"
+        )
+
+    def apply(self, func: Callable, args: Iterable = (), kwds: dict | None = None) -> Any:
+        """Call ``func(*args, **kwds)`` in a worker and return its result."""
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(self, func, args=(), kwds=None, callback=None, error_callback=None):
+        """Asynchronous :meth:`apply`: returns an :class:`AsyncResult`."""
+        self._check_running()
+        job = ApplyResult(self, func, args, kwds or {}, callback, error_callback)
+        self._add_job(job)
+        return job
+
+    def map(self, func, iterable, chunksize=None):
+        """Apply ``func`` to each item, in chunks; return the results in order."""
+        return self._map_async(func, iterable, 0, chunksize).get()
+
+    def starmap(self, func, iterable, chunksize=None):
+        """Like :meth:`map`, with each item unpacked as arguments: ``func(*item)``."""
+        return self._map_async(func, iterable, 1, chunksize).get()
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        """Asynchronous :meth:`map`: returns an :class:`AsyncResult`."""
+        return self._map_async(func, iterable, 0, chunksize, callback, error_callback)
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        """Asynchronous :meth:`starmap`: returns an :class:`AsyncResult`."""
+        return self._map_async(func, iterable, 1, chunksize, callback, error_callback)
+
+    def imap(self, func, iterable, chunksize=1):
+        """Lazy, ordered :meth:`map` over any iterable (read as work is needed)."""
+        return self._imap(IMapIterator, func, iterable, chunksize)
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        """Like :meth:`imap`, yielding results as they complete."""
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+
+    def close(self) -> None:
+        """Accept no more work; loops stop once the submitted work is done."""
+        with self._lock:
+            if self._state == RUN:
+                self._state = CLOSE
+        self._wake()
+
+    def terminate(self) -> None:
+        """Stop now: interrupt running tasks, fail unfinished results.
+
+        Unlike the stdlib (whose pending results then wait forever), results not
+        yet computed raise :class:`PoolTerminatedError` from ``get()``.
+        """
+        with self._lock:
+            if self._state == TERMINATE:
+                return
+            self._state = TERMINATE
+            jobs = list(self._cache)
+            for peer in self._peers.values():
+                _send_quietly(peer, b"K")
+        self._release_slots()
+        err = PoolTerminatedError("the pool was terminated before this result was computed")
+        for job in jobs:
+            job._fail(err)
+        self._cancel_loops()
+        self._wake()
+
+    def join(self) -> None:
+        """Wait for the loops to finish; call :meth:`close` or :meth:`terminate` first."""
+        if self._state == RUN:
+            raise ValueError("Pool is still running")
+        if self._state not in (CLOSE, TERMINATE):
+            raise ValueError("In unknown state")
+        self._draining = True  # lift imap back-pressure: join waits for all work
+        self._dispatch()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self):
+        self._check_running()
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self.terminate()
+
+    def __del__(self, _warn=warnings.warn):
+        if getattr(self, "_state", None) == RUN:
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
+            # Let the loops go; the result thread exits when it sees us gone.
+            for peer in list(getattr(self, "_peers", {}).values()):
+                _send_quietly(peer, b"K")
+            self._cancel_loops()
+            self._release()
+
+    # ----------------------------------------------------------------- job intake
+
+    def _check_running(self) -> None:
+        if self._state != RUN:
+            raise ValueError("Pool not running")
+
+    def _add_job(self, job) -> None:
+        with self._lock:
+            self._check_running()
+            if self._broken is not None:
+                job._fail(self._broken)
+                return
+            if job._finished:  # an empty map
+                return
+            self._cache.add(job)
+            self._jobs.append(job)
+            self._dispatch()
+
+    def _map_async(self, func, iterable, mode, chunksize, callback=None, error_callback=None):
+        self._check_running()
+        items = list(iterable)
+        if chunksize is None:
+            chunksize = self._default_chunksize
+        if chunksize is None:
+            chunksize, extra = divmod(len(items), self._processes * 4)
+            if extra:
+                chunksize += 1
+        chunksize = max(int(chunksize), 1)
+        job = MapResult(self, func, items, chunksize, mode, callback, error_callback)
+        self._add_job(job)
+        return job
+
+    def _imap(self, cls, func, iterable, chunksize):
+        self._check_running()
+        if chunksize < 1:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        job = cls(self, func, iterable, chunksize, 0, self._max_in_flight)
+        self._add_job(job)
+        if chunksize == 1:
+            return job
+        return (item for item in job)  # as the stdlib: a generator when chunked
+
+    def _job_finished(self, job) -> None:
+        with self._lock:
+            self._cache.discard(job)
+            if not self._cache and self._state == CLOSE:
+                self._wake()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _wake_dispatch(self) -> None:
+        """The caller consumed an imap chunk: back-pressured input may go on."""
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Send chunks to loops with room, least loaded first."""
+        with self._lock:
+            if self._state == TERMINATE:
+                return
+            recycle = self._maxtasks is not None
+            while True:
+                best = None
+                for peer in self._peers.values():
+                    if peer.retiring or peer.broken:
+                        continue
+                    n = len(peer.inflight)
+                    if n < peer.depth(self._prefetch, recycle) and (
+                        best is None or n < len(best.inflight)
+                    ):
+                        best = peer
+                if best is None:
+                    return
+                chunk = self._next_chunk()
+                if chunk is None:
+                    return
+                self._send_chunk(best, chunk)
+
+    def _next_chunk(self) -> _Chunk | None:
+        while self._retry:
+            chunk = self._retry.popleft()
+            if not chunk.job._finished:
+                return chunk
+        for _ in range(len(self._jobs)):
+            job = self._jobs[0]
+            if job._finished:
+                self._jobs.popleft()
+                continue
+            got = job._next_chunk()
+            if got is not None:
+                return _Chunk(job, got[0], got[1])
+            if job._exhausted:
+                self._jobs.popleft()
+            else:
+                self._jobs.rotate(-1)  # held back by back-pressure: try the next job
+        return None
+
+    def _function_blob(self, func) -> tuple[int, bytes]:
+        entry = self._fids.get(id(func))
+        if entry is not None and entry[0] is func:
+            self._fids.move_to_end(id(func))
+            return entry[1], entry[2]
+        fid = next(self._fid_counter)
+        blob = cloudpickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
+        self._fids[id(func)] = (func, fid, blob)  # holding func keeps id() unique
+        if len(self._fids) > _FUNC_CACHE:
+            self._fids.popitem(last=False)
+        return fid, blob
+
+    def _send_chunk(self, peer: _Peer, chunk: _Chunk) -> None:
+        job = chunk.job
+        try:
+            fid, fblob = self._function_blob(job._func)
+            payload = cloudpickle.dumps(chunk.items, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            # Unpicklable function or arguments: an error for this job, in the
+            # caller's get(), as the stdlib reports it.
+            job._chunk_done(chunk.index, False, e)
+            return
+        ckey = next(self._ckeys)
+        msg = pickle.dumps(
+            ("T", ckey, fid, None if fid in peer.fids else fblob, job.mode, payload, self._retries),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        try:
+            peer.conn.send_bytes(msg)
+        except OSError:
+            # The loop is gone; the result thread will see its EOF.  The chunk
+            # never ran there, so it goes back without counting an attempt.
+            peer.broken = True
+            self._retry.appendleft(chunk)
+            self._wake()
+            return
+        peer.fids.add(fid)
+        peer.inflight[ckey] = chunk
+
+    # ------------------------------------------------------------ result thread
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _on_connect(self, conn, hello) -> None:
+        with self._lock:
+            if self._state == TERMINATE or self._stop_sent is not None:
+                channel.hangup(conn)
+                return
+            self._peers[conn] = _Peer(conn, hello or {})
+            self._loop_failures = 0
+            self._dispatch()
+        self._wake()
+
+    def _step(self) -> bool:
+        """One turn of the result thread.  Returns False when the pool is done."""
+        with self._lock:
+            conns = list(self._peers)
+            if not self._should_continue():
+                return False
+        ready = wait(conns + [self._wake_r], timeout=1.0)
+        for obj in ready:
+            if obj is self._wake_r:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except OSError:
+                    pass
+                continue
+            peer = self._peers.get(obj)
+            if peer is None:
+                continue
+            try:
+                raw = obj.recv_bytes()
+            except (EOFError, OSError):
+                self._peer_lost(peer)
+                continue
+            try:
+                self._on_message(peer, raw)
+            except Exception:  # never let one bad message kill the pool
+                logger.exception("fiber-dask: error handling a pool message")
+        self._maintain()
+        return True
+
+    def _should_continue(self) -> bool:
+        if self._state == TERMINATE:
+            return False
+        if self._state == CLOSE and not self._cache:
+            if self._stop_sent is None:
+                self._stop_sent = time.monotonic()
+                for peer in self._peers.values():
+                    _send_quietly(peer, b"S")
+                self._cancel_loops(only_unconnected=True)
+            if not self._peers or time.monotonic() - self._stop_sent > _STOP_GRACE:
+                return False
+        return True
+
+    def _on_message(self, peer: _Peer, raw: bytes) -> None:
+        msg = pickle.loads(raw)  # envelope of plain types from an authenticated peer
+        kind = msg[0]
+        if kind == "R":
+            _, ckey, ok, blob, secs, last = msg
+            with self._lock:
+                chunk = peer.inflight.pop(ckey, None)
+                peer.ewma = secs if peer.ewma is None else 0.7 * peer.ewma + 0.3 * secs
+                if last:
+                    peer.retiring = True
+                self._dispatch()  # refill before settling: keep the loops busy
+            if chunk is None:
+                return
+            try:
+                value = pickle.loads(blob)
+            except Exception as e:
+                ok, value = False, e
+            chunk.job._chunk_done(chunk.index, ok, value)
+        elif kind == "I":
+            try:
+                exc = pickle.loads(msg[1])
+            except Exception as e:
+                exc = e
+            self._break(exc)
+
+    def _peer_lost(self, peer: _Peer) -> None:
+        failed = []
+        with self._lock:
+            self._peers.pop(peer.conn, None)
+            peer.conn.close()
+            if self._state == TERMINATE:
+                return
+            back = []
+            for chunk in peer.inflight.values():
+                if chunk.job._finished:
+                    continue
+                chunk.attempts += 1
+                chunk.worker = peer.worker
+                if chunk.attempts > self._allowed_failures:
+                    failed.append(chunk)
+                else:
+                    back.append(chunk)
+            self._retry.extendleft(reversed(back))
+            if back:
+                logger.warning(
+                    "fiber-dask: a pool worker (%s, pid %s) died; re-running %d chunk(s)",
+                    peer.worker, peer.pid, len(back),
+                )
+            self._dispatch()
+        for chunk in failed:
+            name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
+            chunk.job._chunk_done(
+                chunk.index,
+                False,
+                WorkerLostError(
+                    f"task {name} (chunk {chunk.index}) was running on a worker process "
+                    f"that died, {chunk.attempts} times (last on {chunk.worker}, pid "
+                    f"{peer.pid}); the limit is fiber.pool.allowed-failures="
+                    f"{self._allowed_failures}. A task that crashes its process "
+                    "(segfault, os._exit, out of memory) fails this way; fix the task or "
+                    "raise the limit (DASK_FIBER__POOL__ALLOWED_FAILURES)."
+                ),
+            )
+
+    def _break(self, exc: BaseException) -> None:
+        """The pool cannot work (its initializer fails): fail all, now and later."""
+        with self._lock:
+            self._broken = exc
+            jobs = list(self._cache)
+        for job in jobs:
+            job._fail(exc)
+
+    # ---------------------------------------------------------------- the loops
+
+    def _submit_loops(self, n: int) -> None:
+        for _ in range(n):
+            slot = next(self._slot_counter)
+            fut = self._client.submit(
+                run_pool_worker,
+                self._server.address,
+                self._server.authkey,
+                self._service,
+                slot,
+                self._init_blob,
+                self._maxtasks,
+                key=f"fiber-pool-{self._token}-{slot}",
+                pure=False,
+                resources=self._resources,
+            )
+            self._loops[fut.key] = fut
+            fut.add_done_callback(functools.partial(_on_loop_done, weakref.ref(self)))
+
+    def _maintain(self) -> None:
+        """Replace loops that ended while work remains; warn if none connect."""
+        while self._loop_done:
+            fut = self._loop_done.popleft()
+            self._loops.pop(fut.key, None)
+            if self._state == TERMINATE or self._stop_sent is not None or self._broken:
+                continue
+            reason = None
+            if fut.status == "finished":
+                try:
+                    reason = fut.result(timeout=5)
+                except Exception as e:
+                    reason = repr(e)
+                if reason == "initializer-failed":
+                    continue
+            elif fut.status == "error":
+                try:
+                    reason = repr(fut.exception(timeout=5))
+                except Exception as e:
+                    reason = repr(e)
+            if reason not in ("recycled", "stopped", "no-pool"):
+                self._loop_failures += 1
+                logger.info("fiber-dask: pool loop ended (%s); starting another", reason)
+            if self._loop_failures > 3 + 2 * self._processes:
+                self._break(
+                    WorkerLostError(
+                        f"pool-worker loops keep failing before they connect (last: "
+                        f"{reason}). Check that the workers can import fiber_dask and "
+                        f"reach {self._server.address[0]}:{self._server.address[1]} "
+                        "(fiber.listen-host)."
+                    )
+                )
+                continue
+            self._submit_loops(1)
+        if self._peers or not self._cache:
+            self._no_peers_since = time.monotonic()
+            self._warned_waiting = False
+        elif not self._warned_waiting and time.monotonic() - self._no_peers_since > 60:
+            self._warned_waiting = True
+            logger.warning(
+                "fiber-dask: a pool has had work waiting for 60 s but no pool worker is "
+                "running; the cluster at %s may have no free task slots or workers.",
+                self._client.scheduler.address,
+            )
+
+    def _cancel_loops(self, only_unconnected: bool = False) -> None:
+        """Release the loop tasks.  A running loop ends by itself on "S"/"K";
+        cancelling it only tells Dask we no longer want it."""
+        futs = list(self._loops.values())
+        if only_unconnected:
+            futs = [f for f in futs if f.status == "pending"]
+        if not futs:
+            return
+        try:
+            self._client.cancel(futs)
+        except Exception:  # the client may already be closing at exit
+            pass
+
+    def _release_slots(self) -> None:
+        """Stop counting this pool's loops against the cluster's slots."""
+        with _slots_lock:
+            if self._processes_counted:
+                self._processes_counted = False
+                key = id(self._handle)
+                _slots_in_use[key] = max(0, _slots_in_use.get(key, 0) - self._processes)
+
+    def _release(self) -> None:
+        """Give back what this pool holds: its service, slots and sockets."""
+        if getattr(self, "_released", False):
+            return
+        self._released = True
+        self._server.unregister(self._service)
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for peer in peers:
+            channel.hangup(peer.conn)
+        self._release_slots()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        _live_pools.discard(self)
+
+
+def _result_thread(ref) -> None:
+    """Run the pool's result loop while the pool exists and has work."""
+    while True:
+        pool = ref()
+        if pool is None:
+            return
+        try:
+            if not pool._step():
+                if pool._state == CLOSE:
+                    pool._cancel_loops()
+                pool._release()
+                return
+        except Exception:  # pragma: no cover - keep the traceback visible
+            logger.exception("fiber-dask: pool result thread failed")
+            pool._break(RuntimeError("the fiber-dask pool result thread failed; see the log"))
+            pool._release()
+            return
+        del pool
+
+
+def _on_connect(ref, conn, hello) -> None:
+    pool = ref()
+    if pool is None:
+        channel.hangup(conn)
+        return
+    pool._on_connect(conn, hello)
+
+
+def _on_loop_done(ref, fut) -> None:
+    # Runs in the client's event-loop thread: only hand the future over.
+    pool = ref()
+    if pool is not None:
+        pool._loop_done.append(fut)
+        pool._wake()
+
+
+def _send_quietly(peer: _Peer, msg: bytes) -> None:
+    try:
+        peer.conn.send_bytes(msg)
+    except OSError:
+        pass
+
+
+def _authkey() -> bytes:
+    """This process's authkey: the stdlib's, which children inherit."""
+    import multiprocessing
+
+    return bytes(multiprocessing.current_process().authkey)
+
+
+def _terminate_all_pools() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool.terminate()
+            pool._thread.join(timeout=5)
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass

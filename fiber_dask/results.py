@@ -1,0 +1,300 @@
+"""AsyncResult, MapResult and the imap iterators: the caller's side of a Pool job.
+
+A job is cut into chunks; the pool sends chunks to pool-worker loops and calls
+``_chunk_done`` from its single result thread.  Callbacks run there, once,
+before ``ready()`` turns true, as in ``multiprocessing.pool``.
+
+Jobs also produce their chunks lazily (``_next_chunk``), which is how ``imap``
+streams from any iterable with a bounded number of chunks in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from multiprocessing import TimeoutError
+from typing import Any, Callable, Iterable, Iterator
+
+__all__ = ["ApplyResult", "AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator"]
+
+
+class _Job:
+    """What the pool needs from every job."""
+
+    #: 0: f(x), 1: f(*x), 2: f(*args, **kwds)
+    mode = 0
+
+    def __init__(self, pool: Any, func: Callable) -> None:
+        self._pool = pool
+        self._func = func
+        self._chunk_index = 0
+        self._exhausted = False
+
+    def _next_chunk(self) -> tuple[int, list] | None:
+        """The next chunk to send, or None when exhausted or held back."""
+        raise NotImplementedError
+
+    def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
+        raise NotImplementedError
+
+    def _fail(self, exc: BaseException) -> None:
+        """Fail the whole job (pool broken or terminated)."""
+        raise NotImplementedError
+
+    @property
+    def _finished(self) -> bool:
+        raise NotImplementedError
+
+
+class ApplyResult(_Job):
+    """The result of :meth:`Pool.apply_async`; same API as the stdlib's."""
+
+    mode = 2
+
+    def __init__(self, pool, func, args, kwds, callback, error_callback) -> None:
+        super().__init__(pool, func)
+        self._item = (tuple(args), dict(kwds))
+        self._event = threading.Event()
+        self._callback = callback
+        self._error_callback = error_callback
+        self._success: bool | None = None
+        self._value: Any = None
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready() else "pending"
+        return f"<{type(self).__module__}.{type(self).__qualname__} {state}>"
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return bool(self._success)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.wait(timeout)
+
+    def get(self, timeout: float | None = None) -> Any:
+        self.wait(timeout)
+        if not self.ready():
+            raise TimeoutError
+        if self._success:
+            return self._value
+        raise self._value
+
+    @property
+    def _finished(self) -> bool:
+        return self._event.is_set()
+
+    def _next_chunk(self):
+        if self._exhausted:
+            return None
+        self._exhausted = True
+        return 0, [self._item]
+
+    def _settle(self, ok: bool, value: Any) -> None:
+        if self._event.is_set():
+            return
+        self._success, self._value = ok, value
+        if ok and self._callback is not None:
+            self._callback(value)
+        if not ok and self._error_callback is not None:
+            self._error_callback(value)
+        self._event.set()
+        self._pool._job_finished(self)
+
+    def _chunk_done(self, index, ok, value):
+        self._settle(ok, value[0] if ok else value)
+
+    def _fail(self, exc):
+        self._exhausted = True
+        self._settle(False, exc)
+
+
+AsyncResult = ApplyResult
+
+
+class MapResult(ApplyResult):
+    """The result of :meth:`Pool.map_async` / ``starmap_async``."""
+
+    def __init__(self, pool, func, items, chunksize, mode, callback, error_callback):
+        super().__init__(pool, func, (), {}, callback, error_callback)
+        self.mode = mode
+        self._items = items
+        self._chunksize = chunksize
+        self._value = [None] * len(items)
+        self._left = -(-len(items) // chunksize) if items else 0
+        if self._left == 0:
+            # The stdlib sets an empty map ready at once, without callbacks.
+            self._exhausted = True
+            self._success = True
+            self._event.set()
+
+    def _next_chunk(self):
+        if self._exhausted:
+            return None
+        i = self._chunk_index
+        start = i * self._chunksize
+        chunk = self._items[start : start + self._chunksize]
+        self._chunk_index += 1
+        if start + self._chunksize >= len(self._items):
+            self._exhausted = True
+            self._items = None  # the pool no longer needs the input
+        return i, chunk
+
+    def _chunk_done(self, index, ok, value):
+        if self._event.is_set():
+            return
+        if not ok:
+            self._exhausted = True  # fail fast: send no more of this map
+            self._settle(False, value)
+            return
+        start = index * self._chunksize
+        self._value[start : start + len(value)] = value
+        self._left -= 1
+        if self._left == 0:
+            self._settle(True, self._value)
+
+
+class IMapIterator(_Job):
+    """The iterator returned by :meth:`Pool.imap` (chunks delivered in order).
+
+    Input is read lazily; at most ``max_in_flight`` chunks are taken from it and
+    not yet consumed, so an endless generator streams in bounded memory.
+    """
+
+    _ordered = True
+
+    def __init__(self, pool, func, iterable: Iterable, chunksize: int, mode: int, max_in_flight: int):
+        super().__init__(pool, func)
+        self.mode = mode
+        self._source: Iterator = iter(iterable)
+        self._chunksize = chunksize
+        self._max_in_flight = max_in_flight
+        self._cond = threading.Condition(threading.Lock())
+        self._done: dict[int, tuple[bool, Any]] = {}
+        self._unordered: collections.deque = collections.deque()
+        self._items: collections.deque = collections.deque()  # of the current chunk
+        self._next_index = 0  # next chunk to hand to the caller (ordered)
+        self._consumed = 0
+        self._received_count = 0
+        self._length: int | None = None
+        self._input_error: tuple[int, BaseException] | None = None
+
+    def __iter__(self):
+        return self
+
+    def _next_chunk(self):
+        if self._exhausted:
+            return None
+        if (
+            not self._pool._draining
+            and self._chunk_index - self._consumed >= self._max_in_flight
+        ):
+            return None  # back-pressure: the caller has not caught up
+        i = self._chunk_index
+        try:
+            chunk = list(itertools.islice(self._source, self._chunksize))
+        except Exception as e:
+            # The stdlib reports an error raised by the input at its position.
+            self._exhausted = True
+            self._chunk_index += 1
+            self._chunk_done(i, False, e)
+            self._set_length(i + 1)
+            return None
+        if not chunk:
+            self._exhausted = True
+            self._set_length(i)
+            return None
+        self._chunk_index += 1
+        return i, chunk
+
+    def _set_length(self, n: int) -> None:
+        with self._cond:
+            self._length = n
+            self._cond.notify_all()
+            done = self._finished_locked()
+        if done:
+            self._pool._job_finished(self)
+
+    def _finished_locked(self) -> bool:
+        return self._length is not None and self._received_count >= self._length
+
+    @property
+    def _finished(self) -> bool:
+        with self._cond:
+            return self._finished_locked()
+
+    def _chunk_done(self, index, ok, value):
+        with self._cond:
+            self._received_count += 1
+            if self._ordered:
+                self._done[index] = (ok, value)
+            else:
+                self._unordered.append((ok, value))
+            self._cond.notify_all()
+            done = self._finished_locked()
+        if done:
+            self._pool._job_finished(self)
+
+    def _fail(self, exc):
+        with self._cond:
+            if self._length is None:
+                self._length = self._chunk_index
+            # Every chunk not yet received fails with exc.
+            missing = self._length - self._received_count
+            for _ in range(max(missing, 0)):
+                self._received_count += 1
+                self._unordered.append((False, exc))
+            if self._ordered:
+                for i in range(self._length):
+                    if i >= self._next_index and i not in self._done:
+                        self._done[i] = (False, exc)
+            self._exhausted = True
+            self._cond.notify_all()
+        self._pool._job_finished(self)
+
+    def _take_chunk(self, timeout: float | None) -> tuple[bool, Any]:
+        with self._cond:
+            while True:
+                if self._ordered:
+                    got = self._done.pop(self._next_index, None)
+                    if got is not None:
+                        self._next_index += 1
+                        break
+                    if self._length is not None and self._next_index >= self._length:
+                        raise StopIteration
+                else:
+                    if self._unordered:
+                        got = self._unordered.popleft()
+                        self._next_index += 1
+                        break
+                    if self._length is not None and self._next_index >= self._length:
+                        raise StopIteration
+                if not self._cond.wait(timeout):
+                    raise TimeoutError
+        self._consumed += 1
+        self._pool._wake_dispatch()
+        return got
+
+    def next(self, timeout: float | None = None) -> Any:
+        """The next result; ``multiprocessing.TimeoutError`` after ``timeout`` s."""
+        if self._items:
+            return self._items.popleft()
+        while True:
+            ok, value = self._take_chunk(timeout)
+            if not ok:
+                raise value
+            if value:
+                self._items.extend(value)
+                return self._items.popleft()
+
+    __next__ = next
+
+
+class IMapUnorderedIterator(IMapIterator):
+    """The iterator returned by :meth:`Pool.imap_unordered` (completion order)."""
+
+    _ordered = False

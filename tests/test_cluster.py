@@ -1,0 +1,275 @@
+"""The cluster layer: resolution order, attaching, the embedded default, backends.
+
+Scripts run in fresh interpreters (``subprocess``) wherever the behaviour is
+about a process's whole life: its first use, its environment, its exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import dask
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+
+import fiber_dask
+from fiber_dask import ClusterConnectionError, cluster
+from fiber_dask.config import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def existing():
+    """A running cluster that fiber-dask did not start."""
+    with LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+        host="127.0.0.1",
+    ) as c:
+        yield c
+
+
+def run_script(body: str, tmp_path, env: dict | None = None, timeout: float = 90):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True,
+        timeout=timeout, env=full_env, cwd=tmp_path,
+    )
+
+
+def test_attach_by_address_argument_and_leave_cluster_running(existing):
+    with fiber_dask.Pool(1, address=existing.scheduler_address) as pool:
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        # The task ran on the existing cluster's only worker.
+        worker_pids = set(Client(existing, set_as_default=False).run(os.getpid).values())
+        assert pool.apply(os.getpid) in worker_pids
+    # shutdown() closes fiber-dask's own client, never a cluster it did not start.
+    fiber_dask.shutdown()
+    with Client(existing.scheduler_address, timeout=10, set_as_default=False) as c:
+        assert len(c.scheduler_info()["workers"]) == 1
+
+
+def test_explicit_client_is_used_and_not_closed(existing):
+    with Client(existing, set_as_default=False) as c:
+        with fiber_dask.Pool(1, client=c) as pool:
+            assert pool.apply(os.getpid) in set(c.run(os.getpid).values())
+        fiber_dask.shutdown()
+        assert c.status == "running"
+
+
+SHOW_SCHEDULER = """
+    import json, os, fiber_dask
+    from fiber_dask import cluster
+    if __name__ == "__main__":
+        with fiber_dask.Pool(1) as p:
+            assert p.apply(abs, (-3,)) == 3
+        h = cluster.get_handle()
+        print(json.dumps({"address": h.client.scheduler.address, "backend": h.backend,
+                          "owned": h.owned}))
+"""
+
+
+@pytest.mark.parametrize("variable", ["DASK_SCHEDULER_ADDRESS", "DASK_FIBER__ADDRESS"])
+def test_attach_by_environment(existing, tmp_path, variable):
+    proc = run_script(SHOW_SCHEDULER, tmp_path, {variable: existing.scheduler_address})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"address": existing.scheduler_address, "backend": "address", "owned": False}
+
+
+def test_attach_by_yaml_file(existing, tmp_path):
+    confdir = tmp_path / "conf"
+    confdir.mkdir()
+    (confdir / "fiber.yaml").write_text(
+        f"fiber:\n  backend: address\n  address: {existing.scheduler_address}\n"
+    )
+    proc = run_script(SHOW_SCHEDULER, tmp_path, {"DASK_CONFIG": str(confdir)})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["address"] == existing.scheduler_address
+
+
+def test_unreachable_scheduler_is_a_clear_error_not_a_hang():
+    with dask.config.set({"fiber.connect-timeout": "2s"}):
+        t0 = time.monotonic()
+        with pytest.raises(ClusterConnectionError) as info:
+            fiber_dask.Pool(1, address="tcp://127.0.0.1:9")
+        elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert "tcp://127.0.0.1:9" in message and "fiber.connect-timeout" in message
+    assert isinstance(info.value, ConnectionError)
+    assert elapsed < 30  # bounded by the connect timeout, not forever
+
+
+def test_unknown_backend_fails_at_first_use_naming_key_and_choices(tmp_path):
+    proc = run_script(
+        """
+        import fiber_dask
+        if __name__ == "__main__":
+            fiber_dask.Pool(1)
+        """,
+        tmp_path,
+        {"DASK_FIBER__BACKEND": "nonesuch"},
+    )
+    assert proc.returncode != 0
+    assert "ConfigError" in proc.stderr
+    assert "fiber.backend" in proc.stderr and "nonesuch" in proc.stderr
+    assert "local" in proc.stderr and "address" in proc.stderr
+
+
+def test_negative_worker_count_is_refused_at_first_use(tmp_path):
+    proc = run_script(
+        """
+        import fiber_dask
+        if __name__ == "__main__":
+            fiber_dask.Pool(1)
+        """,
+        tmp_path,
+        {"DASK_FIBER__LOCAL__N_WORKERS": "-2"},
+    )
+    assert proc.returncode != 0
+    assert "fiber.local.n-workers" in proc.stderr and "-2" in proc.stderr
+
+
+def test_embedded_cluster_starts_lazily_and_leaves_no_process(tmp_path):
+    proc = run_script(
+        """
+        import json, os, sys
+        import fiber_dask
+        from fiber_dask import cluster
+        if __name__ == "__main__":
+            assert "distributed" not in sys.modules or cluster._handle is None
+            pool = fiber_dask.Pool()
+            pids = sorted(set(pool.map(os.getpid, [()] * 0) + [pool.apply(os.getpid)]))
+            h = cluster.get_handle()
+            info = h.client.scheduler_info(n_workers=-1)
+            workers = info["workers"].values()
+            print(json.dumps({
+                "backend": h.backend, "owned": h.owned,
+                "n": len(workers), "threads": sorted({w["nthreads"] for w in workers}),
+                "slots": fiber_dask.cpu_count(),
+                "worker_pids": list(h.client.run(os.getpid).values()),
+                "scheduler": info["address"],
+                "dashboard": h.cluster.dashboard_link if h.cluster.scheduler.http_server else None,
+            }))
+            # Exit without close() or shutdown(): atexit must clean up.
+        """,
+        tmp_path,
+        {"DASK_FIBER__LOCAL__N_WORKERS": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["backend"] == "local" and seen["owned"] is True
+    assert seen["n"] == 2 and seen["threads"] == [1] and seen["slots"] == 2
+    assert seen["scheduler"].startswith("tcp://127.0.0.1:")
+    deadline = time.monotonic() + 10
+    alive = seen["worker_pids"]
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and
+                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == [], f"worker processes outlived the script: {alive}"
+
+
+def test_unguarded_script_gets_the_stdlib_bootstrapping_error(tmp_path):
+    proc = run_script(
+        """
+        import fiber_dask
+        print(fiber_dask.Pool(1).map(abs, [-1]))
+        """,
+        tmp_path,
+        {"DASK_FIBER__LOCAL__N_WORKERS": "1"},
+    )
+    assert proc.returncode != 0
+    assert "bootstrapping phase" in proc.stderr
+    assert "if __name__ == '__main__':" in proc.stderr
+
+
+PLUGIN = '''
+from fiber_dask.backends.base import Backend, ClusterHandle
+
+
+class TinyBackend(Backend):
+    """A third-party backend: a one-worker LocalCluster, marked as ours."""
+
+    name = "tiny"
+
+    def start(self, *, address=None):
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                               dashboard_address=None, host="127.0.0.1")
+        client = Client(cluster, set_as_default=False)
+        return ClusterHandle(client, cluster, owned=True, backend=self.name,
+                             listen_host="127.0.0.1")
+'''
+
+
+def test_third_party_backend_from_entry_point(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "tiny_backend.py").write_text(PLUGIN)
+    dist = site / "tiny_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[fiber_dask.backends]\ntiny = tiny_backend:TinyBackend\n"
+    )
+    proc = run_script(
+        SHOW_SCHEDULER,
+        tmp_path,
+        {
+            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "DASK_FIBER__BACKEND": "tiny",
+        },
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["backend"] == "tiny" and seen["owned"] is True
+
+
+def test_init_and_shutdown_give_explicit_control(existing):
+    c = fiber_dask.init(address=existing.scheduler_address)
+    try:
+        assert cluster.get_client() is c
+        assert fiber_dask.cpu_count() == 1
+    finally:
+        fiber_dask.shutdown()
+    assert cluster._handle is None
+    with Client(existing.scheduler_address, timeout=10, set_as_default=False) as check:
+        assert len(check.scheduler_info()["workers"]) == 1
+
+
+def test_pool_of_more_processes_than_slots_grows_the_embedded_cluster(tmp_path):
+    proc = run_script(
+        """
+        import os, fiber_dask, time
+        from fiber_dask import cluster
+        def pid_after(delay):
+            time.sleep(delay)
+            return os.getpid()
+        if __name__ == "__main__":
+            with fiber_dask.Pool(3) as pool:
+                client = cluster.get_client()
+                client.wait_for_workers(3, timeout=60)
+                deadline = time.monotonic() + 30
+                while len(pool._peers) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # all three pool loops connected
+                # Three tasks that overlap in time run in three processes.
+                pids = pool.map(pid_after, [2.0] * 3, chunksize=1)
+            print(len(client.scheduler_info()["workers"]), len(set(pids)))
+        """,
+        tmp_path,
+        {"DASK_FIBER__LOCAL__N_WORKERS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "3 3"

@@ -1,0 +1,157 @@
+"""Worker recovery: real SIGKILLs of real Dask worker processes.
+
+Each test runs on its own LocalCluster (passed with ``client=``) so the kills do
+not disturb the session's embedded cluster, and so every kill is of a worker
+process this test started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import fiber_dask
+from fiber_dask import WorkerLostError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def client():
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+        host="127.0.0.1",
+    ) as cluster, Client(cluster, set_as_default=False) as c:
+        yield c
+
+
+def slow_square(x, delay=0.05):
+    time.sleep(delay)
+    return x * x
+
+
+def kill_self(_):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker_pids(client):
+    return list(client.run(os.getpid).values())
+
+
+def kill_one_worker_after(client, delay):
+    """SIGKILL one worker process (from a thread, while the caller waits)."""
+    pids = worker_pids(client)
+    victim = pids[0]
+
+    def go():
+        time.sleep(delay)
+        os.kill(victim, signal.SIGKILL)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return victim, t
+
+
+def test_map_survives_sigkill_of_a_worker(client):
+    with fiber_dask.Pool(2, client=client) as pool:
+        assert pool.apply(slow_square, (2,)) == 4  # loops are up
+        victim, killer = kill_one_worker_after(client, 0.5)
+        result = pool.map(slow_square, range(60), chunksize=2)
+        killer.join()
+        assert result == [x * x for x in range(60)]
+        # The victim is really gone (the nanny starts a new process instead).
+        with pytest.raises(ProcessLookupError):
+            os.kill(victim, 0)
+
+
+def test_imap_and_apply_async_survive_sigkill(client):
+    with fiber_dask.Pool(2, client=client) as pool:
+        pool.apply(slow_square, (1,))
+        _, killer = kill_one_worker_after(client, 0.4)
+        asyncs = [pool.apply_async(slow_square, (i,)) for i in range(20)]
+        streamed = list(pool.imap(slow_square, range(40)))
+        killer.join()
+        assert streamed == [x * x for x in range(40)]
+        assert [r.get(timeout=60) for r in asyncs] == [x * x for x in range(20)]
+
+
+def test_task_that_kills_every_worker_fails_clearly(client):
+    with dask.config.set({"fiber.pool.allowed-failures": 1}):
+        with fiber_dask.Pool(2, client=client) as pool:
+            res = pool.apply_async(kill_self, (0,))
+            with pytest.raises(WorkerLostError) as info:
+                res.get(timeout=90)
+            message = str(info.value)
+            assert "kill_self" in message
+            assert "fiber.pool.allowed-failures=1" in message
+            assert isinstance(info.value, fiber_dask.ProcessError)
+            # The pool still works once the nannies have restarted the workers.
+            assert pool.map(slow_square, range(6)) == [0, 1, 4, 9, 16, 25]
+
+
+def test_poison_item_in_map_fails_the_map_not_the_caller(client):
+    with dask.config.set({"fiber.pool.allowed-failures": 1}):
+        with fiber_dask.Pool(2, client=client) as pool:
+            with pytest.raises(WorkerLostError):
+                pool.map(kill_self, [1], chunksize=1)
+
+
+def flaky(path):
+    """Fail the first time it is called for ``path``, succeed afterwards."""
+    if not os.path.exists(path):
+        open(path, "w").close()
+        raise RuntimeError("transient")
+    return "ok"
+
+
+def test_retries_rerun_a_task_that_raises(client, tmp_path):
+    with fiber_dask.Pool(1, client=client, retries=1) as pool:
+        assert pool.apply(flaky, (str(tmp_path / "a"),)) == "ok"
+    with fiber_dask.Pool(1, client=client) as pool:
+        with pytest.raises(RuntimeError, match="transient"):
+            pool.apply(flaky, (str(tmp_path / "b"),))
+
+
+def spin_forever(_):
+    while True:
+        pass
+
+
+def executing_tasks(client):
+    return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
+
+
+def test_terminate_interrupts_a_cpu_bound_task(client):
+    pool = fiber_dask.Pool(2, client=client)
+    res = pool.apply_async(spin_forever, (0,))
+    deadline = time.monotonic() + 30
+    while executing_tasks(client) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert not res.ready()
+    pool.terminate()
+    pool.join()
+    with pytest.raises(fiber_dask.PoolTerminatedError):
+        res.get(timeout=5)
+    # The spinning task was interrupted: its worker thread is free again
+    # (the stdlib would SIGTERM the process; we must not kill a Dask worker).
+    deadline = time.monotonic() + 10
+    while executing_tasks(client) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert executing_tasks(client) == 0
+
+
+def test_worker_death_with_maxtasksperchild(client):
+    with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
+        pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
+    with pool:
+        pool.apply(slow_square, (1,))
+        _, killer = kill_one_worker_after(client, 0.3)
+        assert pool.map(slow_square, range(30), chunksize=1) == [x * x for x in range(30)]
+        killer.join()
