@@ -91,27 +91,17 @@ class _Chunk:
 class _Peer:
     """One connected pool-worker loop."""
 
-    __slots__ = ("conn", "inflight", "fids", "ewma", "pid", "worker", "slot", "retiring", "broken")
+    __slots__ = ("conn", "inflight", "fids", "pid", "worker", "slot", "retiring", "broken")
 
     def __init__(self, conn, hello):
         self.conn = conn
         self.inflight: dict[int, _Chunk] = {}
         self.fids: set[int] = set()
-        self.ewma: float | None = None
         self.pid = hello.get("pid")
         self.worker = hello.get("worker")
         self.slot = hello.get("slot")
         self.retiring = False
         self.broken = False
-
-    def depth(self, prefetch: float, recycle: bool) -> int:
-        """How many chunks to keep at this loop: one running plus a queue
-        holding about ``prefetch`` seconds of work (none for long tasks)."""
-        if recycle:
-            return 1
-        if self.ewma is None:
-            return 1  # unknown task length: hand out one at a time until measured
-        return min(_MAX_DEPTH, 1 + int(prefetch / max(self.ewma, 1e-6)))
 
 
 class Pool:
@@ -187,6 +177,7 @@ class Pool:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        config.validate()  # a typo'd or bad fiber.* value fails here, at first use
         self._handle = cluster.get_handle(client=client, address=address)
         self._client = self._handle.client
         if processes is None:
@@ -405,27 +396,43 @@ class Pool:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Send chunks to loops with room, least loaded first."""
+        """Send chunks to loops with room, least loaded first.
+
+        A loop keeps one chunk running plus a queue of about ``prefetch`` seconds
+        of work, estimated per function from its past chunks.  A function not
+        seen yet, or one whose chunks are long, is handed out one chunk at a
+        time: nothing waits queued behind a long task while another loop idles.
+        """
         with self._lock:
             if self._state == TERMINATE:
                 return
-            recycle = self._maxtasks is not None
             while True:
-                best = None
-                for peer in self._peers.values():
-                    if peer.retiring or peer.broken:
-                        continue
-                    n = len(peer.inflight)
-                    if n < peer.depth(self._prefetch, recycle) and (
-                        best is None or n < len(best.inflight)
-                    ):
-                        best = peer
-                if best is None:
-                    return
                 chunk = self._next_chunk()
                 if chunk is None:
                     return
+                depth = self._depth(chunk)
+                best = None
+                for peer in self._peers.values():
+                    n = len(peer.inflight)
+                    if (
+                        n < depth
+                        and not (peer.retiring or peer.broken)
+                        and (best is None or n < len(best.inflight))
+                    ):
+                        best = peer
+                if best is None:
+                    self._retry.appendleft(chunk)  # first in line next time
+                    return
                 self._send_chunk(best, chunk)
+
+    def _depth(self, chunk: _Chunk) -> int:
+        if self._maxtasks is not None:
+            return 1  # a retiring loop must not hold queued work
+        entry = self._fids.get(id(chunk.job._func))
+        if entry is None or entry[0] is not chunk.job._func or entry[3] is None:
+            return 1
+        seconds = entry[3] * len(chunk.items)
+        return min(_MAX_DEPTH, 1 + int(self._prefetch / max(seconds, 1e-6)))
 
     def _next_chunk(self) -> _Chunk | None:
         while self._retry:
@@ -447,13 +454,18 @@ class Pool:
         return None
 
     def _function_blob(self, func) -> tuple[int, bytes]:
+        """The function's id and pickle, made once per function.
+
+        Entries are ``[func, fid, blob, seconds_per_item]``; holding ``func``
+        keeps its ``id()`` from being reused while the entry lives.
+        """
         entry = self._fids.get(id(func))
         if entry is not None and entry[0] is func:
             self._fids.move_to_end(id(func))
             return entry[1], entry[2]
         fid = next(self._fid_counter)
         blob = cloudpickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
-        self._fids[id(func)] = (func, fid, blob)  # holding func keeps id() unique
+        self._fids[id(func)] = [func, fid, blob, None]
         if len(self._fids) > _FUNC_CACHE:
             self._fids.popitem(last=False)
         return fid, blob
@@ -553,7 +565,8 @@ class Pool:
             _, ckey, ok, blob, secs, last = msg
             with self._lock:
                 chunk = peer.inflight.pop(ckey, None)
-                peer.ewma = secs if peer.ewma is None else 0.7 * peer.ewma + 0.3 * secs
+                if chunk is not None:
+                    self._learn(chunk, secs)
                 if last:
                     peer.retiring = True
                 self._dispatch()  # refill before settling: keep the loops busy
@@ -570,6 +583,12 @@ class Pool:
             except Exception as e:
                 exc = e
             self._break(exc)
+
+    def _learn(self, chunk: _Chunk, secs: float) -> None:
+        entry = self._fids.get(id(chunk.job._func))
+        if entry is not None and entry[0] is chunk.job._func and chunk.items:
+            per_item = secs / len(chunk.items)
+            entry[3] = per_item if entry[3] is None else 0.7 * entry[3] + 0.3 * per_item
 
     def _peer_lost(self, peer: _Peer) -> None:
         failed = []
