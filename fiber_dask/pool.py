@@ -72,6 +72,7 @@ INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 
 _MAX_DEPTH = 64
 _FUNC_CACHE = 256
+_TERMINATE_GRACE = 2.0  # seconds a running task gets to stop after terminate()
 _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after "stop"
 
 _live_pools: weakref.WeakSet = weakref.WeakSet()
@@ -650,6 +651,9 @@ class Pool:
                 slot,
                 self._init_blob,
                 self._maxtasks,
+                # On a cluster we started, a task that ignores terminate() for
+                # 2 s ends its worker process (the nanny starts another).
+                _TERMINATE_GRACE if self._handle.owned else None,
                 key=f"fiber-pool-{self._token}-{slot}",
                 pure=False,
                 resources=self._resources,

@@ -62,8 +62,9 @@ def _wrap(exc: BaseException) -> Any:
 
 
 class _Loop:
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, kill_after: float | None = None) -> None:
         self.conn = conn
+        self.kill_after = kill_after
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.send_lock = threading.Lock()
         self.exec_lock = threading.Lock()
@@ -98,12 +99,27 @@ class _Loop:
                 self.stop_now = True
                 with self.exec_lock:
                     if self.executing:
+                        # Interrupts Python code at its next bytecode; a task
+                        # blocked in C (sleep, I/O, a long numpy call) only
+                        # notices when that call returns.
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
                             ctypes.c_ulong(self.main_ident), ctypes.py_object(_Terminated)
                         )
+                        if self.kill_after is not None:
+                            t = threading.Timer(self.kill_after, self._kill_if_stuck)
+                            t.daemon = True
+                            t.start()
                 self.inbox.put(None)
                 return
             self.inbox.put(raw)
+
+    def _kill_if_stuck(self) -> None:
+        """Still in the task after the grace period: end this worker process,
+        as the stdlib's terminate() does.  Only on clusters fiber-dask started
+        (its nanny starts a fresh worker); never on someone else's cluster."""
+        with self.exec_lock:
+            if self.executing:
+                os._exit(1)
 
     def call(self, func: Any, mode: int, item: Any) -> Any:
         with self.exec_lock:
@@ -126,8 +142,13 @@ def run_pool_worker(
     slot: int,
     init_blob: bytes | None,
     maxtasks: int | None,
+    kill_after: float | None = None,
 ) -> str:
-    """Body of one pool-worker Dask task.  Returns why it ended."""
+    """Body of one pool-worker Dask task.  Returns why it ended.
+
+    ``kill_after``: seconds after a terminate (or the owner's loss) at which a
+    task that has not stopped ends this process; None never does.
+    """
     import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
 
     try:
@@ -146,7 +167,7 @@ def run_pool_worker(
     except channel.ChannelError:
         # The pool is gone (closed, or its owner exited): nothing to do.
         return "no-pool"
-    loop = _Loop(conn)
+    loop = _Loop(conn, kill_after)
     try:
         if init_blob is not None:
             try:

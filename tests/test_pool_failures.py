@@ -155,3 +155,42 @@ def test_worker_death_with_maxtasksperchild(client):
         _, killer = kill_one_worker_after(client, 0.3)
         assert pool.map(slow_square, range(30), chunksize=1) == [x * x for x in range(30)]
         killer.join()
+
+
+def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
+    """time.sleep ignores the asynchronous interrupt; on a cluster fiber-dask
+    started, the worker process is ended after a grace period, as the stdlib's
+    terminate() ends its workers, and the slot is usable again."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "blocked.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        import fiber_dask
+        from fiber_dask import cluster
+
+        def executing(dask_worker):
+            return len(dask_worker.state.executing)
+
+        if __name__ == "__main__":
+            pool = fiber_dask.Pool(1)
+            res = pool.apply_async(time.sleep, (600,))
+            client = cluster.get_client()
+            while sum(client.run(executing).values()) < 1:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            pool.terminate()
+            pool.join()
+            with fiber_dask.Pool(1) as pool2:
+                assert pool2.apply(abs, (-5,)) == 5
+            print("recovered in", round(time.monotonic() - t0, 1))
+    """))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+        env={**os.environ, "DASK_FIBER__LOCAL__N_WORKERS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recovered in" in proc.stdout
