@@ -14,7 +14,8 @@ import time
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
+from helpers_cluster import loopback_cluster
 
 import fiber_dask
 from fiber_dask import WorkerLostError
@@ -24,10 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def client():
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-        host="127.0.0.1",
-    ) as cluster, Client(cluster, set_as_default=False) as c:
+    with loopback_cluster(2) as cluster, Client(cluster, set_as_default=False) as c:
         yield c
 
 
@@ -194,3 +192,27 @@ def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recovered in" in proc.stdout
+
+
+def test_dropped_running_pool_warns_and_frees_its_slots(client):
+    import gc
+    import warnings
+
+    pool = fiber_dask.Pool(2, client=client)
+    assert pool.apply(slow_square, (3,)) == 9
+    thread = pool._thread
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del pool
+        gc.collect()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert any(
+        issubclass(w.category, ResourceWarning) and "unclosed running" in str(w.message)
+        for w in caught
+    )
+    # Its loops ended, so a new pool gets both slots.
+    deadline = time.monotonic() + 20
+    while executing_tasks(client) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert executing_tasks(client) == 0

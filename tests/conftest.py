@@ -1,0 +1,149 @@
+"""Shared fixtures: the stdlib oracle and fiber_dask as two values of ``ctx``.
+
+The conformance suite asks one question per test — "does fiber_dask do what stdlib
+``multiprocessing`` does?" — by running the same body against
+
+* ``stdlib``: ``multiprocessing.get_context("forkserver")``.  Not ``fork``: this
+  pytest process also runs Dask's threads (the embedded scheduler, the client's
+  event loop), and forking a multi-threaded process can copy a held lock into the
+  child and deadlock it.
+* ``fiber``: ``fiber_dask.get_context()``, bound to fiber_dask's embedded cluster,
+  which starts lazily on first use and is shared by the whole session.
+
+At session end the embedded cluster is shut down and we check that no worker
+process outlived it (loky's lesson: a leaked worker is a bug, and it is easy to
+miss unless a teardown asserts on it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import dask.config
+import psutil
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Workers must import ``helpers`` by name.  Spawned / forkserver children inherit
+# ``sys.path`` from the parent's preparation data, but a worker started another
+# way (a subprocess, ``dask worker`` on the command line) only sees PYTHONPATH.
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+_pythonpath = os.environ.get("PYTHONPATH", "")
+if TESTS_DIR not in _pythonpath.split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, _pythonpath) if p)
+
+N_WORKERS = 2
+
+# Seconds a worker process gets to exit after ``fiber_dask.shutdown()`` before it
+# counts as leaked.
+LEAK_GRACE = 10.0
+
+
+def _is_stdlib_helper_process(proc: psutil.Process) -> bool:
+    """The forkserver and resource tracker live until this interpreter exits.
+
+    Only the processes themselves (direct children) are exempt.  Children *of the
+    forkserver* are stdlib pool workers, which every test joins, so they stay under
+    the leak check.
+    """
+    try:
+        if proc.ppid() != os.getpid():
+            return False
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return (
+        "multiprocessing.forkserver import main" in cmdline
+        or "multiprocessing.resource_tracker import main" in cmdline
+    )
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"pid={proc.pid} ppid={proc.ppid()} cmdline={' '.join(proc.cmdline())!r}"
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return f"pid={proc.pid} (gone or inaccessible)"
+
+
+def _check_no_leaked_processes(preexisting: set[int]) -> None:
+    me = psutil.Process()
+    candidates = [
+        p
+        for p in me.children(recursive=True)
+        if p.pid not in preexisting and not _is_stdlib_helper_process(p) and _alive(p)
+    ]
+    if not candidates:
+        return
+    # Shutdown may still be reaping its workers: give them a grace period.
+    _, still_alive = psutil.wait_procs(candidates, timeout=LEAK_GRACE)
+    leaked = [p for p in still_alive if _alive(p)]
+    if not leaked:
+        return
+    details = "\n  ".join(_describe(p) for p in leaked)
+    # Kill them (they are descendants of this test process) so a failed run does not
+    # leave workers behind on the machine, then fail loudly.
+    for p in leaked:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    pytest.fail(
+        f"{len(leaked)} child process(es) still alive {LEAK_GRACE:.0f}s after "
+        f"fiber_dask.shutdown() (killed now):\n  {details}",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fiber_session():
+    """Configure fiber_dask's embedded cluster for the session; tear it down after.
+
+    The cluster itself is created lazily by fiber_dask on first use; we only set
+    the config it reads, for the whole session, and shut it down at the end.
+    """
+    preexisting = {p.pid for p in psutil.Process().children(recursive=True)}
+    with dask.config.set({"fiber.local.n-workers": N_WORKERS}):
+        try:
+            yield
+        finally:
+            # Only if a test imported it: a stdlib-only run never starts a cluster.
+            fiber_dask = sys.modules.get("fiber_dask")
+            shutdown = getattr(fiber_dask, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    _check_no_leaked_processes(preexisting)
+
+
+def _stdlib_context():
+    return multiprocessing.get_context("forkserver")
+
+
+def _fiber_context():
+    import fiber_dask
+
+    return fiber_dask.get_context()
+
+
+@pytest.fixture(params=["stdlib", "fiber"])
+def ctx(request):
+    """A multiprocessing-like context: the stdlib oracle or fiber_dask."""
+    if request.param == "stdlib":
+        return _stdlib_context()
+    return _fiber_context()
+
+
+@pytest.fixture
+def fiber_ctx():
+    """fiber_dask's context, for tests of behaviour that goes beyond stdlib."""
+    return _fiber_context()
