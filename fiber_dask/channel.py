@@ -89,7 +89,13 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # A peer host that vanishes without a FIN is detected in ~25 s.
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+    # A send to a host that stopped acknowledging fails after 30 s instead of
+    # the kernel's ~15 minutes of retransmissions.
+    options = (
+        ("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", 30_000),
+    )
+    for name, value in options:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

@@ -98,12 +98,16 @@ class ApplyResult(_Job):
         if self._event.is_set():
             return
         self._success, self._value = ok, value
-        if ok and self._callback is not None:
-            self._callback(value)
-        if not ok and self._error_callback is not None:
-            self._error_callback(value)
-        self._event.set()
-        self._pool._job_finished(self)
+        try:
+            if ok and self._callback is not None:
+                self._callback(value)
+            if not ok and self._error_callback is not None:
+                self._error_callback(value)
+        finally:
+            # A callback that raises is logged by the result thread; the
+            # result itself must still become ready (the stdlib hangs here).
+            self._event.set()
+            self._pool._job_finished(self)
 
     def _chunk_done(self, index, ok, value):
         self._settle(ok, value[0] if ok else value)

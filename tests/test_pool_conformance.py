@@ -780,3 +780,16 @@ def test_fiber_imap_bounded_read_ahead(fiber_ctx):
     assert pulled_at_consumption < 100_000, pulled_at_consumption
     assert pulled < 100_000, pulled
     assert elapsed < 30, f"first 1000 imap results took {elapsed:.1f}s"
+
+
+def _raising_callback(_value):
+    raise RuntimeError("callback bug")
+
+
+def test_fiber_result_is_ready_even_if_callback_raises(fiber_ctx):
+    # The stdlib's result thread dies here and get() hangs forever; fiber-dask
+    # logs the callback's error and still delivers the result.
+    with fiber_ctx.Pool(2) as pool:
+        res = pool.apply_async(square, (4,), callback=_raising_callback)
+        assert res.get(timeout=30) == 16
+        assert pool.apply(square, (5,)) == 25
