@@ -179,6 +179,10 @@ class Pool:
                 stacklevel=2,
             )
         config.validate()  # a typo'd or bad fiber.* value fails here, at first use
+        # Pickled once, here: an unpicklable initializer fails in the caller.
+        self._init_blob = (
+            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+        )
         self._handle = cluster.get_handle(client=client, address=address)
         self._client = self._handle.client
         if processes is None:
@@ -219,9 +223,6 @@ class Pool:
         authkey = _authkey()
         self._server = channel.get_server(self._handle.listen_host or "127.0.0.1", authkey)
         self._server.register(self._service, functools.partial(_on_connect, weakref.ref(self)))
-        self._init_blob = (
-            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
-        )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._slot_counter = itertools.count()
@@ -233,7 +234,12 @@ class Pool:
         cluster.ensure_slots(self._handle, needed)
         self._state = RUN
         _live_pools.add(self)
-        self._submit_loops(processes)
+        try:
+            self._submit_loops(processes)
+        except BaseException:
+            self._state = TERMINATE
+            self._release()
+            raise
         self._thread = threading.Thread(
             target=_result_thread, args=(weakref.ref(self),), name="fiber-pool-results", daemon=True
         )
