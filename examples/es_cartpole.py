@@ -67,8 +67,17 @@ def ranks(values: list[float]) -> list[float]:
     return out
 
 
-def train(pool, population: int, iterations: int, sigma: float, lr: float, seed: int,
-          episodes: int = 3, target: float = 475.0, verbose: bool = True) -> dict:
+def train(
+    pool,
+    population: int,
+    iterations: int,
+    sigma: float,
+    lr: float,
+    seed: int,
+    episodes: int = 3,
+    target: float = 475.0,
+    verbose: bool = True,
+) -> dict:
     rng = random.Random(seed)
     theta = [0.0] * 5
     history = []
@@ -77,8 +86,8 @@ def train(pool, population: int, iterations: int, sigma: float, lr: float, seed:
         noise = [[rng.gauss(0, 1) for _ in theta] for _ in range(population // 2)]
         candidates = []
         for eps in noise:  # mirrored sampling: +eps and -eps
-            candidates.append([t + sigma * e for t, e in zip(theta, eps)])
-            candidates.append([t - sigma * e for t, e in zip(theta, eps)])
+            candidates.append([t + sigma * e for t, e in zip(theta, eps, strict=True)])
+            candidates.append([t - sigma * e for t, e in zip(theta, eps, strict=True)])
         ep_seed = rng.randrange(1 << 30)
         rewards = pool.map(evaluate, [(c, ep_seed, episodes) for c in candidates])
         shaped = ranks(rewards)
@@ -90,13 +99,19 @@ def train(pool, population: int, iterations: int, sigma: float, lr: float, seed:
         history.append(score)
         if verbose:
             bar = "#" * int(30 * score / MAX_STEPS)
-            print(f"iter {it:3d}  mean policy reward {score:6.1f}  "
-                  f"best candidate {max(rewards):6.1f}  {time.perf_counter() - t0:5.2f}s  {bar}",
-                  flush=True)
+            print(
+                f"iter {it:3d}  mean policy reward {score:6.1f}  "
+                f"best candidate {max(rewards):6.1f}  {time.perf_counter() - t0:5.2f}s  {bar}",
+                flush=True,
+            )
         if score >= target:
             break
-    return {"theta": theta, "score": history[-1], "iterations": len(history),
-            "solved": history[-1] >= target}
+    return {
+        "theta": theta,
+        "score": history[-1],
+        "iterations": len(history),
+        "solved": history[-1] >= target,
+    }
 
 
 def main(argv=None) -> int:
@@ -112,11 +127,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with multiprocessing.Pool(args.processes) as pool:
         print(f"{pool!r} ready in {time.perf_counter() - t0:.2f}s", flush=True)
-        result = train(pool, args.population, args.iterations, args.sigma, args.lr, args.seed)
+        result = train(
+            pool, args.population, args.iterations, args.sigma, args.lr, args.seed
+        )
     status = "solved" if result["solved"] else "not solved"
-    print(f"{status}: reward {result['score']:.1f} after {result['iterations']} iterations, "
-          f"{time.perf_counter() - t0:.1f}s in all; policy "
-          + ", ".join(f"{w:+.3f}" for w in result["theta"]))
+    print(
+        f"{status}: reward {result['score']:.1f} after {result['iterations']} iterations, "
+        f"{time.perf_counter() - t0:.1f}s in all; policy "
+        + ", ".join(f"{w:+.3f}" for w in result["theta"])
+    )
     return 0 if result["solved"] else 1
 
 

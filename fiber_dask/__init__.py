@@ -6,7 +6,12 @@ existing Dask scheduler, or an adaptive Kubernetes deployment.
 
 from __future__ import annotations
 
-from multiprocessing import AuthenticationError, BufferTooShort, ProcessError, TimeoutError
+from multiprocessing import (
+    AuthenticationError,
+    BufferTooShort,
+    ProcessError,
+    TimeoutError,
+)
 
 from . import config  # noqa: F401  (loads the fiber.* defaults into dask.config)
 from .cluster import init, shutdown
@@ -32,11 +37,30 @@ __all__ = [
 # The top level is the default context's bound methods, as in multiprocessing.
 _ctx = default_context
 for _name in (
-    "Pool", "ThreadPool", "cpu_count", "current_process", "active_children",
-    "parent_process", "get_start_method", "Process", "Queue", "SimpleQueue",
-    "JoinableQueue", "Pipe", "Manager", "Lock", "RLock", "Semaphore",
-    "BoundedSemaphore", "Event", "Condition", "Barrier", "Value", "Array",
-    "RawValue", "RawArray",
+    "Pool",
+    "ThreadPool",
+    "cpu_count",
+    "current_process",
+    "active_children",
+    "parent_process",
+    "get_start_method",
+    "Process",
+    "Queue",
+    "SimpleQueue",
+    "JoinableQueue",
+    "Pipe",
+    "Manager",
+    "Lock",
+    "RLock",
+    "Semaphore",
+    "BoundedSemaphore",
+    "Event",
+    "Condition",
+    "Barrier",
+    "Value",
+    "Array",
+    "RawValue",
+    "RawArray",
 ):
     globals()[_name] = getattr(_ctx, _name)
     __all__.append(_name)

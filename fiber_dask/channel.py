@@ -62,7 +62,9 @@ def _digest(authkey: bytes, message: bytes) -> bytes:
 
 def _recv_small(conn: Connection, timeout: float) -> bytes:
     if not conn.poll(timeout):
-        raise AuthenticationError(f"peer sent nothing for {timeout:g} s during the handshake")
+        raise AuthenticationError(
+            f"peer sent nothing for {timeout:g} s during the handshake"
+        )
     return conn.recv_bytes(256)  # a bounded read: large junk is rejected
 
 
@@ -92,7 +94,9 @@ def _tune(sock: socket.socket) -> None:
     # A send to a host that stopped acknowledging fails after 30 s instead of
     # the kernel's ~15 minutes of retransmissions.
     options = (
-        ("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+        ("TCP_KEEPIDLE", 10),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 3),
         ("TCP_USER_TIMEOUT", 30_000),
     )
     for name, value in options:
@@ -178,14 +182,22 @@ class ChannelServer:
                 conn.close()
                 return
             conn.send_bytes(b"OK")
-        except (AuthenticationError, EOFError, OSError, pickle.PickleError, ValueError) as e:
+        except (
+            AuthenticationError,
+            EOFError,
+            OSError,
+            pickle.PickleError,
+            ValueError,
+        ) as e:
             logger.warning("fiber-dask: rejected connection from %s: %r", peer, e)
             conn.close()
             return
         try:
             handler(conn, hello)
         except Exception:  # a handler bug must not kill the server
-            logger.exception("fiber-dask: service %r failed on a new connection", service)
+            logger.exception(
+                "fiber-dask: service %r failed on a new connection", service
+            )
             conn.close()
 
     def close(self) -> None:

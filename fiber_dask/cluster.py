@@ -104,7 +104,9 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
             h = _attached.get(address)
             if h is None:
                 config.validate()
-                h = _attached[address] = load_backend("address")().start(address=address)
+                h = _attached[address] = load_backend("address")().start(
+                    address=address
+                )
             return h
     with _lock:
         if _handle is None:
@@ -199,7 +201,12 @@ def task_slots(handle: ClusterHandle | None = None) -> int:
         )
         if n:
             return n
-    return config.get("adaptive.maximum") or config.get("local.n-workers") or os.cpu_count() or 1
+    return (
+        config.get("adaptive.maximum")
+        or config.get("local.n-workers")
+        or os.cpu_count()
+        or 1
+    )
 
 
 def ensure_slots(handle: ClusterHandle, n: int) -> None:

@@ -42,7 +42,9 @@ def _not_yet(name: str):
         )
 
     factory.__name__ = name
-    factory.__doc__ = f"Not implemented yet: raises NotImplementedError ({_PLANNED[name]})."
+    factory.__doc__ = (
+        f"Not implemented yet: raises NotImplementedError ({_PLANNED[name]})."
+    )
     return factory
 
 
@@ -67,7 +69,9 @@ class DaskContext:
         """Returns a process pool object (see :class:`fiber_dask.pool.Pool`)."""
         from .pool import Pool
 
-        return Pool(processes, initializer, initargs, maxtasksperchild, context=self, **kwargs)
+        return Pool(
+            processes, initializer, initargs, maxtasksperchild, context=self, **kwargs
+        )
 
     def ThreadPool(self, processes=None, initializer=None, initargs=()):  # noqa: N802
         """The stdlib's ThreadPool: threads of this process, sharing its memory."""

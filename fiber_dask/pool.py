@@ -29,7 +29,6 @@ import collections
 import functools
 import itertools
 import logging
-import os
 import pickle
 import socket
 import threading
@@ -39,19 +38,28 @@ import warnings
 import weakref
 from multiprocessing import TimeoutError  # noqa: F401  (re-exported as in stdlib)
 from multiprocessing.connection import wait
-from multiprocessing.pool import MaybeEncodingError, RemoteTraceback  # noqa: F401
+
+# ThreadPool runs tasks in threads of the calling process, sharing its memory;
+# code written for it may rely on that, so fiber-dask gives the stdlib's own.
+from multiprocessing.pool import (  # noqa: F401
+    MaybeEncodingError,
+    RemoteTraceback,
+    ThreadPool,  # noqa: F401
+)
 from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-# ThreadPool runs tasks in threads of the calling process, sharing its memory;
-# code written for it may rely on that, so fiber-dask gives the stdlib's own.
-from multiprocessing.pool import ThreadPool  # noqa: F401
-
 from . import channel, cluster, config
 from .errors import PoolTerminatedError, WorkerLostError
 from .poolworker import run_pool_worker
-from .results import ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
+from .results import (
+    ApplyResult,
+    AsyncResult,
+    IMapIterator,
+    IMapUnorderedIterator,
+    MapResult,
+)
 
 __all__ = [
     "Pool",
@@ -92,7 +100,16 @@ class _Chunk:
 class _Peer:
     """One connected pool-worker loop."""
 
-    __slots__ = ("conn", "inflight", "fids", "pid", "worker", "slot", "retiring", "broken")
+    __slots__ = (
+        "conn",
+        "inflight",
+        "fids",
+        "pid",
+        "worker",
+        "slot",
+        "retiring",
+        "broken",
+    )
 
     def __init__(self, conn, hello):
         self.conn = conn
@@ -169,7 +186,9 @@ class Pool:
         ):
             raise ValueError("maxtasksperchild must be a positive int or None")
         if retries is not None and (not isinstance(retries, int) or retries < 0):
-            raise ValueError(f"retries must be a non-negative int or None, not {retries!r}")
+            raise ValueError(
+                f"retries must be a non-negative int or None, not {retries!r}"
+            )
         if maxtasksperchild is not None:
             warnings.warn(
                 "maxtasksperchild: fiber-dask restarts the pool-worker loop (and runs the "
@@ -181,7 +200,9 @@ class Pool:
         config.validate()  # a typo'd or bad fiber.* value fails here, at first use
         # Pickled once, here: an unpicklable initializer fails in the caller.
         self._init_blob = (
-            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+            cloudpickle.dumps((initializer, tuple(initargs)))
+            if initializer is not None
+            else None
         )
         self._handle = cluster.get_handle(client=client, address=address)
         self._client = self._handle.client
@@ -202,7 +223,9 @@ class Pool:
         self._default_chunksize = config.get("pool.chunksize")
 
         self._lock = threading.RLock()
-        self._jobs: collections.deque = collections.deque()  # jobs with chunks to produce
+        self._jobs: collections.deque = (
+            collections.deque()
+        )  # jobs with chunks to produce
         self._retry: collections.deque = collections.deque()  # chunks whose worker died
         self._cache: set = set()  # unfinished jobs
         self._peers: dict[Any, _Peer] = {}
@@ -221,8 +244,12 @@ class Pool:
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
         authkey = _authkey()
-        self._server = channel.get_server(self._handle.listen_host or "127.0.0.1", authkey)
-        self._server.register(self._service, functools.partial(_on_connect, weakref.ref(self)))
+        self._server = channel.get_server(
+            self._handle.listen_host or "127.0.0.1", authkey
+        )
+        self._server.register(
+            self._service, functools.partial(_on_connect, weakref.ref(self))
+        )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._slot_counter = itertools.count()
@@ -241,7 +268,10 @@ class Pool:
             self._release()
             raise
         self._thread = threading.Thread(
-            target=_result_thread, args=(weakref.ref(self),), name="fiber-pool-results", daemon=True
+            target=_result_thread,
+            args=(weakref.ref(self),),
+            name="fiber-pool-results",
+            daemon=True,
         )
         self._thread.start()
 
@@ -259,7 +289,9 @@ class Pool:
             "pool objects cannot be passed between processes or pickled"
         )
 
-    def apply(self, func: Callable, args: Iterable = (), kwds: dict | None = None) -> Any:
+    def apply(
+        self, func: Callable, args: Iterable = (), kwds: dict | None = None
+    ) -> Any:
         """Call ``func(*args, **kwds)`` in a worker and return its result."""
         return self.apply_async(func, args, kwds).get()
 
@@ -278,11 +310,15 @@ class Pool:
         """Like :meth:`map`, with each item unpacked as arguments: ``func(*item)``."""
         return self._map_async(func, iterable, 1, chunksize).get()
 
-    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+    def map_async(
+        self, func, iterable, chunksize=None, callback=None, error_callback=None
+    ):
         """Asynchronous :meth:`map`: returns an :class:`AsyncResult`."""
         return self._map_async(func, iterable, 0, chunksize, callback, error_callback)
 
-    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+    def starmap_async(
+        self, func, iterable, chunksize=None, callback=None, error_callback=None
+    ):
         """Asynchronous :meth:`starmap`: returns an :class:`AsyncResult`."""
         return self._map_async(func, iterable, 1, chunksize, callback, error_callback)
 
@@ -315,7 +351,9 @@ class Pool:
             for peer in self._peers.values():
                 _send_quietly(peer, b"K")
         self._release_slots()
-        err = PoolTerminatedError("the pool was terminated before this result was computed")
+        err = PoolTerminatedError(
+            "the pool was terminated before this result was computed"
+        )
         for job in jobs:
             job._fail(err)
         self._cancel_loops()
@@ -341,7 +379,11 @@ class Pool:
 
     def __del__(self, _warn=warnings.warn):
         if getattr(self, "_state", None) == RUN:
-            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
+            _warn(
+                f"unclosed running multiprocessing pool {self!r}",
+                ResourceWarning,
+                source=self,
+            )
             # Let the loops go; the result thread exits when it sees us gone.
             for peer in list(getattr(self, "_peers", {}).values()):
                 _send_quietly(peer, b"K")
@@ -366,7 +408,9 @@ class Pool:
             self._jobs.append(job)
             self._dispatch()
 
-    def _map_async(self, func, iterable, mode, chunksize, callback=None, error_callback=None):
+    def _map_async(
+        self, func, iterable, mode, chunksize, callback=None, error_callback=None
+    ):
         self._check_running()
         items = list(iterable)
         if chunksize is None:
@@ -489,7 +533,15 @@ class Pool:
             return
         ckey = next(self._ckeys)
         msg = pickle.dumps(
-            ("T", ckey, fid, None if fid in peer.fids else fblob, job.mode, payload, self._retries),
+            (
+                "T",
+                ckey,
+                fid,
+                None if fid in peer.fids else fblob,
+                job.mode,
+                payload,
+                self._retries,
+            ),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         try:
@@ -618,7 +670,9 @@ class Pool:
             if back:
                 logger.warning(
                     "fiber-dask: a pool worker (%s, pid %s) died; re-running %d chunk(s)",
-                    peer.worker, peer.pid, len(back),
+                    peer.worker,
+                    peer.pid,
+                    len(back),
                 )
             self._dispatch()
         for chunk in failed:
@@ -689,7 +743,9 @@ class Pool:
                     reason = repr(e)
             if reason not in ("recycled", "stopped", "no-pool"):
                 self._loop_failures += 1
-                logger.info("fiber-dask: pool loop ended (%s); starting another", reason)
+                logger.info(
+                    "fiber-dask: pool loop ended (%s); starting another", reason
+                )
             if self._loop_failures > 3 + 2 * self._processes:
                 self._break(
                     WorkerLostError(
@@ -764,7 +820,9 @@ def _result_thread(ref) -> None:
                 return
         except Exception:  # pragma: no cover - keep the traceback visible
             logger.exception("fiber-dask: pool result thread failed")
-            pool._break(RuntimeError("the fiber-dask pool result thread failed; see the log"))
+            pool._break(
+                RuntimeError("the fiber-dask pool result thread failed; see the log")
+            )
             pool._release()
             return
         del pool

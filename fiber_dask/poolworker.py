@@ -76,7 +76,9 @@ class _Loop:
         with self.send_lock:
             self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def send_result(self, ckey: int, ok: bool, value: Any, secs: float, last: bool) -> None:
+    def send_result(
+        self, ckey: int, ok: bool, value: Any, secs: float, last: bool
+    ) -> None:
         """Send a chunk's outcome.  The value is pickled on its own so the owner
         can fail just this chunk if it cannot load it."""
         try:
@@ -103,7 +105,8 @@ class _Loop:
                         # blocked in C (sleep, I/O, a long numpy call) only
                         # notices when that call returns.
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                            ctypes.c_ulong(self.main_ident), ctypes.py_object(_Terminated)
+                            ctypes.c_ulong(self.main_ident),
+                            ctypes.py_object(_Terminated),
                         )
                         if self.kill_after is not None:
                             t = threading.Timer(self.kill_after, self._kill_if_stuck)
@@ -176,7 +179,9 @@ def run_pool_worker(
             except Exception as e:
                 loop.send(("I", _dumps_value(_wrap(e))))
                 return "initializer-failed"
-        threading.Thread(target=loop.receive, name="fiber-pool-recv", daemon=True).start()
+        threading.Thread(
+            target=loop.receive, name="fiber-pool-recv", daemon=True
+        ).start()
         return _serve(loop, maxtasks)
     except _Terminated:
         return "terminated"

@@ -16,7 +16,13 @@ import threading
 from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["ApplyResult", "AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator"]
+__all__ = [
+    "ApplyResult",
+    "AsyncResult",
+    "MapResult",
+    "IMapIterator",
+    "IMapUnorderedIterator",
+]
 
 
 class _Job:
@@ -171,7 +177,15 @@ class IMapIterator(_Job):
 
     _ordered = True
 
-    def __init__(self, pool, func, iterable: Iterable, chunksize: int, mode: int, max_in_flight: int):
+    def __init__(
+        self,
+        pool,
+        func,
+        iterable: Iterable,
+        chunksize: int,
+        mode: int,
+        max_in_flight: int,
+    ):
         super().__init__(pool, func)
         self.mode = mode
         self._source: Iterator = iter(iterable)

@@ -46,7 +46,7 @@ def test_connect_with_the_authkey_reaches_the_service(server):
     deadline = time.monotonic() + 5
     while not server.got and time.monotonic() < deadline:
         time.sleep(0.01)
-    (peer, hello), = server.got
+    ((peer, hello),) = server.got
     assert hello == {"n": 1}
     conn.send_bytes(b"ping")
     assert peer.recv_bytes() == b"ping"

@@ -21,7 +21,6 @@ from helpers_cluster import loopback_cluster
 
 import fiber_dask
 from fiber_dask import ClusterConnectionError, cluster
-from fiber_dask.config import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +38,12 @@ def run_script(body: str, tmp_path, env: dict | None = None, timeout: float = 90
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True,
-        timeout=timeout, env=full_env, cwd=tmp_path,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=tmp_path,
     )
 
 
@@ -48,7 +51,9 @@ def test_attach_by_address_argument_and_leave_cluster_running(existing):
     with fiber_dask.Pool(1, address=existing.scheduler_address) as pool:
         assert pool.map(abs, [-1, -2]) == [1, 2]
         # The task ran on the existing cluster's only worker.
-        worker_pids = set(Client(existing, set_as_default=False).run(os.getpid).values())
+        worker_pids = set(
+            Client(existing, set_as_default=False).run(os.getpid).values()
+        )
         assert pool.apply(os.getpid) in worker_pids
     # shutdown() closes fiber-dask's own client, never a cluster it did not start.
     fiber_dask.shutdown()
@@ -81,7 +86,11 @@ def test_attach_by_environment(existing, tmp_path, variable):
     proc = run_script(SHOW_SCHEDULER, tmp_path, {variable: existing.scheduler_address})
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"address": existing.scheduler_address, "backend": "address", "owned": False}
+    assert seen == {
+        "address": existing.scheduler_address,
+        "backend": "address",
+        "owned": False,
+    }
 
 
 def test_attach_by_yaml_file(existing, tmp_path):
@@ -112,11 +121,17 @@ def test_unreachable_scheduler_is_a_clear_error_not_a_hang():
     "variable, value, expected",
     [
         # unknown backend: the key, the value and the choices are named
-        ("DASK_FIBER__BACKEND", "nonesuch", ["fiber.backend", "nonesuch", "local", "address"]),
+        (
+            "DASK_FIBER__BACKEND",
+            "nonesuch",
+            ["fiber.backend", "nonesuch", "local", "address"],
+        ),
         ("DASK_FIBER__LOCAL__N_WORKERS", "-2", ["fiber.local.n-workers", "-2"]),
     ],
 )
-def test_bad_config_fails_at_first_use_naming_key_and_value(tmp_path, variable, value, expected):
+def test_bad_config_fails_at_first_use_naming_key_and_value(
+    tmp_path, variable, value, expected
+):
     proc = run_script(
         """
         import fiber_dask
@@ -166,8 +181,12 @@ def test_embedded_cluster_starts_lazily_and_leaves_no_process(tmp_path):
     deadline = time.monotonic() + 10
     alive = seen["worker_pids"]
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and
-                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in alive
+            if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         time.sleep(0.2)
     assert alive == [], f"worker processes outlived the script: {alive}"
 
@@ -212,7 +231,9 @@ def test_third_party_backend_from_entry_point(tmp_path):
     (site / "tiny_backend.py").write_text(PLUGIN)
     dist = site / "tiny_backend-1.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-backend\nVersion: 1.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: tiny-backend\nVersion: 1.0\n"
+    )
     (dist / "entry_points.txt").write_text(
         "[fiber_dask.backends]\ntiny = tiny_backend:TinyBackend\n"
     )
@@ -220,7 +241,9 @@ def test_third_party_backend_from_entry_point(tmp_path):
         SHOW_SCHEDULER,
         tmp_path,
         {
-            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(site), os.environ.get("PYTHONPATH", "")]
+            ),
             "DASK_FIBER__BACKEND": "tiny",
         },
     )

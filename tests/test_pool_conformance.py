@@ -21,9 +21,8 @@ import time
 import uuid
 import warnings
 
-import pytest
-
 import helpers
+import pytest
 from helpers import (
     CustomError,
     add,
@@ -217,7 +216,12 @@ def test_imap_infinite_generator(ctx):
     # stdlib feeds the generator from its task-handler thread; consuming a prefix
     # of the results must work and leaving the `with` block must not hang.
     with ctx.Pool(2) as pool:
-        got = [v for _, v in zip(range(50), pool.imap(square, itertools.count()))]
+        got = [
+            v
+            for _, v in zip(
+                range(50), pool.imap(square, itertools.count()), strict=False
+            )
+        ]
         assert got == [x * x for x in range(50)]
 
 
@@ -716,7 +720,7 @@ def test_fiber_lambda_tasks(fiber_ctx):
         assert sorted(pool.imap_unordered(lambda x: x * x, range(N))) == SQUARES
         assert pool.starmap(lambda a, b: a * b, [(2, 3), (4, 5)]) == [6, 20]
         # A lambda *result* is picklable by cloudpickle, unlike with stdlib.
-        f = pool.apply(lambda: (lambda z: z + 1))
+        f = pool.apply(lambda: lambda z: z + 1)
         assert f(1) == 2
 
 
@@ -766,7 +770,9 @@ def test_fiber_imap_bounded_read_ahead(fiber_ctx):
     pool = fiber_ctx.Pool(2)
     try:
         t0 = time.monotonic()
-        got = [v for _, v in zip(range(1000), pool.imap(square, source()))]
+        got = [
+            v for _, v in zip(range(1000), pool.imap(square, source()), strict=False)
+        ]
         elapsed = time.monotonic() - t0
         pulled_at_consumption = pulled
         assert got == [x * x for x in range(1000)]

@@ -122,7 +122,9 @@ def spin_forever(_):
 
 
 def executing_tasks(client):
-    return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
+    return sum(
+        client.run(lambda dask_worker: len(dask_worker.state.executing)).values()
+    )
 
 
 def test_terminate_interrupts_a_cpu_bound_task(client):
@@ -151,7 +153,9 @@ def test_worker_death_with_maxtasksperchild(client):
     with pool:
         pool.apply(slow_square, (1,))
         _, killer = kill_one_worker_after(client, 0.3)
-        assert pool.map(slow_square, range(30), chunksize=1) == [x * x for x in range(30)]
+        assert pool.map(slow_square, range(30), chunksize=1) == [
+            x * x for x in range(30)
+        ]
         killer.join()
 
 
@@ -164,7 +168,8 @@ def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
     import textwrap
 
     script = tmp_path / "blocked.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, time
         import fiber_dask
         from fiber_dask import cluster
@@ -185,9 +190,13 @@ def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
             with fiber_dask.Pool(1) as pool2:
                 assert pool2.apply(abs, (-5,)) == 5
             print("recovered in", round(time.monotonic() - t0, 1))
-    """))
+    """)
+    )
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=100,
         env={**os.environ, "DASK_FIBER__LOCAL__N_WORKERS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

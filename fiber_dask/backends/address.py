@@ -53,4 +53,6 @@ class AddressBackend(Backend):
         from .base import route_host
 
         host = config.get("listen-host") or route_host(client.scheduler.address)
-        return ClusterHandle(client, None, owned=False, backend=self.name, listen_host=host)
+        return ClusterHandle(
+            client, None, owned=False, backend=self.name, listen_host=host
+        )

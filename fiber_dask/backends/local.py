@@ -47,4 +47,6 @@ class LocalBackend(Backend):
             cluster.close()
             raise
         host = config.get("listen-host") or "127.0.0.1"
-        return ClusterHandle(client, cluster, owned=True, backend=self.name, listen_host=host)
+        return ClusterHandle(
+            client, cluster, owned=True, backend=self.name, listen_host=host
+        )
