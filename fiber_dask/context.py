@@ -10,14 +10,11 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from .process import Process as _Process
+
 __all__ = ["DaskContext", "get_context", "default_context"]
 
 _PLANNED = {
-    "Process": "issue #3 (processes, queues and pipes across the cluster)",
-    "Queue": "issue #3 (processes, queues and pipes across the cluster)",
-    "SimpleQueue": "issue #3 (processes, queues and pipes across the cluster)",
-    "JoinableQueue": "issue #3 (processes, queues and pipes across the cluster)",
-    "Pipe": "issue #3 (processes, queues and pipes across the cluster)",
     "Manager": "issue #4 (managers and synchronization)",
     "Lock": "issue #4 (managers and synchronization)",
     "RLock": "issue #4 (managers and synchronization)",
@@ -53,6 +50,9 @@ class DaskContext:
 
     _name = "dask"
 
+    # The class itself, as in the stdlib's contexts: users subclass it.
+    Process = _Process
+
     ProcessError = multiprocessing.ProcessError
     BufferTooShort = multiprocessing.BufferTooShort
     TimeoutError = multiprocessing.TimeoutError
@@ -72,6 +72,30 @@ class DaskContext:
         return Pool(
             processes, initializer, initargs, maxtasksperchild, context=self, **kwargs
         )
+
+    def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802
+        """Returns a queue object usable from any process of the cluster."""
+        from .queues import Queue
+
+        return Queue(maxsize, ctx=self)
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:  # noqa: N802
+        """Returns a joinable queue object usable from any process of the cluster."""
+        from .queues import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self)
+
+    def SimpleQueue(self) -> Any:  # noqa: N802
+        """Returns a simple queue object usable from any process of the cluster."""
+        from .queues import SimpleQueue
+
+        return SimpleQueue(ctx=self)
+
+    def Pipe(self, duplex: bool = True) -> Any:  # noqa: N802
+        """Returns two connection objects connected by a pipe."""
+        from .connection import Pipe
+
+        return Pipe(duplex)
 
     def ThreadPool(self, processes=None, initializer=None, initargs=()):  # noqa: N802
         """The stdlib's ThreadPool: threads of this process, sharing its memory."""
@@ -100,7 +124,10 @@ class DaskContext:
         return multiprocessing.current_process()
 
     def active_children(self) -> list:
-        return multiprocessing.active_children()
+        """Live fiber-dask Processes started by this process."""
+        from .process import active_children
+
+        return active_children()
 
     def parent_process(self) -> Any:
         return multiprocessing.parent_process()

@@ -1,0 +1,273 @@
+"""Serving objects owned by this process to the other processes of a program.
+
+A Queue or Pipe lives in the process that created it (its *owner*), as the
+stdlib's live in the OS pipes of the machine that made them.  Other processes
+(children on other hosts, Pool tasks) hold small references that pickle as the
+owner's channel address plus an object id, and talk to the owner over the
+authenticated direct channel::
+
+    holder process                         owner process
+    Queue ref ── connect("objects",   ──►  ObjectServer ─ thread per connection
+                 hello=object id)          └─ obj.serve(op, args) ─► reply
+    In the owner itself the same object is used directly, without a socket.
+
+One connection per (holder process, object); requests on it are answered in
+order, so one producer's puts stay FIFO.  A holder that dies drops its
+connection, which the object hears about (``disconnected``): a Pipe end then
+counts one holder less, a Queue puts back an item it was about to hand over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import threading
+import uuid
+import weakref
+from typing import Any
+
+from . import channel
+
+__all__ = ["ObjectServer", "Remote", "get_object_server", "NO_REPLY", "ServedObject"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "objects"
+NO_REPLY = object()
+
+
+class ServedObject:
+    """Base of objects an ObjectServer serves.  ``serve`` runs in the
+    connection's thread and may block (a ``get`` waiting for an item).
+
+    ``session`` is per connection: an object keeps there what it handed to a
+    holder and was not yet acknowledged, to take it back in ``disconnected``.
+    """
+
+    connections = 0  # holders connected now
+    orphaned = False  # the owner's handle is garbage: drop when unused
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        raise NotImplementedError
+
+    def disconnected(self, session: dict) -> None:
+        """A holder's connection ended (closed, or its process died)."""
+
+
+class ObjectServer:
+    """This process's object service on its channel server."""
+
+    def __init__(self, host: str, authkey: bytes) -> None:
+        self.server = channel.get_server(host, authkey)
+        self.authkey = authkey
+        self._objects: dict[str, ServedObject] = {}
+        self._lock = threading.Lock()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self.server.register(SERVICE, self._on_connect)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def add(self, obj: ServedObject) -> str:
+        oid = f"{self._prefix}-{next(self._ids)}"
+        with self._lock:
+            self._objects[oid] = obj
+        return oid
+
+    def get(self, oid: str) -> ServedObject | None:
+        with self._lock:
+            return self._objects.get(oid)
+
+    def discard(self, oid: str) -> None:
+        with self._lock:
+            self._objects.pop(oid, None)
+
+    def _on_connect(self, conn: Any, hello: Any) -> None:
+        obj = self.get(hello)
+        if obj is None:
+            channel.hangup(conn)
+            return
+        threading.Thread(
+            target=_serve_connection,
+            args=(obj, conn, self, hello),
+            name="fiber-objects",
+            daemon=True,
+        ).start()
+
+
+def _serve_connection(
+    obj: ServedObject, conn: Any, server: ObjectServer, oid: str
+) -> None:
+    session: dict = {}
+    with server._lock:
+        obj.connections += 1
+    try:
+        while True:
+            try:
+                raw = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            op, *args = pickle.loads(raw)  # an authenticated peer's plain tuple
+            try:
+                reply = (True, obj.serve(op, tuple(args), session))
+            except Exception as e:  # the error travels back to the caller
+                reply = (False, e)
+            if reply[1] is NO_REPLY:
+                continue
+            try:
+                conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                return
+    finally:
+        try:
+            obj.disconnected(session)
+        finally:
+            channel.hangup(conn)
+            with server._lock:
+                obj.connections -= 1
+                if obj.orphaned and not obj.connections:
+                    server._objects.pop(oid, None)
+
+
+_object_server: ObjectServer | None = None
+_object_server_lock = threading.Lock()
+
+
+def get_object_server() -> ObjectServer:
+    """This process's object server, started on first use."""
+    global _object_server
+    with _object_server_lock:
+        if _object_server is None or _object_server.server._closed:
+            import multiprocessing
+
+            _object_server = ObjectServer(
+                listen_host(), bytes(multiprocessing.current_process().authkey)
+            )
+        return _object_server
+
+
+def listen_host() -> str:
+    """Where this process's endpoints listen, without starting a cluster.
+
+    ``fiber.listen-host``; else the host a launcher gave this child process;
+    else the host fiber-dask's cluster handle uses; inside a Dask worker, the
+    worker's own host; else the local address that routes to a configured
+    scheduler; else 127.0.0.1.
+    """
+    from . import cluster, config
+
+    host = config.get("listen-host") or os.environ.get("FIBER_DASK_LISTEN_HOST")
+    if host:
+        return host
+    if cluster._handle is not None and cluster._handle.listen_host:
+        return cluster._handle.listen_host
+    try:
+        from distributed import get_worker
+        from distributed.comm import get_address_host
+
+        return get_address_host(get_worker().address)
+    except (ImportError, ValueError):
+        pass
+    from .backends.address import configured_address
+    from .backends.base import route_host
+
+    address, _ = configured_address()
+    return route_host(address) if address else "127.0.0.1"
+
+
+class Remote:
+    """A holder's connection to one object in another process.
+
+    Thread-safe: one request at a time, replies in order.
+    """
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, oid: str) -> None:
+        self.address, self.authkey, self.oid = tuple(address), authkey, oid
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _connection(self) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._conn = channel.connect(self.address, self.authkey, SERVICE, self.oid)
+        return self._conn
+
+    def call(self, op: str, *args: Any) -> Any:
+        """Send a request and wait for its reply; re-raise a remote error."""
+        msg = pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.send_bytes(msg)
+                ok, value = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError) as e:
+                self._drop()
+                raise _owner_gone(self) from e
+            except BaseException:
+                # Interrupted mid-request (Ctrl-C): the reply would be read as
+                # the next call's.  A new connection starts clean, and the
+                # owner puts back an item it could not deliver.
+                self._drop()
+                raise
+        if ok:
+            return value
+        raise value
+
+    def send(self, op: str, *args: Any) -> None:
+        """Send a request that has no reply (pipelined)."""
+        msg = pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.send_bytes(msg)
+            except OSError as e:
+                self._drop()
+                raise _owner_gone(self) from e
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            channel.hangup(self._conn)
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def _owner_gone(remote: Remote) -> ConnectionError:
+    host, port = remote.address
+    return ConnectionError(
+        f"the process that owns this object ({host}:{port}) is gone or unreachable; "
+        "a Queue or Pipe lives as long as the process that created it"
+    )
+
+
+def resolve(
+    address: tuple[str, int], authkey: bytes, oid: str
+) -> ServedObject | Remote:
+    """The object itself when this process owns it, else a Remote to it."""
+    server = _object_server
+    if server is not None and tuple(server.address) == tuple(address):
+        obj = server.get(oid)
+        if obj is not None:
+            return obj
+    return Remote(address, authkey, oid)
+
+
+def keep_until_unused(obj: ServedObject, owner: Any, oid: str) -> None:
+    """Serve ``obj`` until ``owner`` (the owner's handle) is garbage and no
+    holder is connected any more."""
+    server = get_object_server()
+
+    def orphaned() -> None:
+        with server._lock:
+            obj.orphaned = True
+            if not obj.connections:
+                server._objects.pop(oid, None)
+
+    weakref.finalize(owner, orphaned)

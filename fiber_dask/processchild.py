@@ -1,0 +1,118 @@
+"""The child bootstrap of a fiber-dask ``Process``: ``python -m fiber_dask.processchild``.
+
+Started by the launcher (``fiber_dask.process.run_launcher``) inside a Dask
+worker.  Protocol on stdin: an 8-byte big-endian length, then the cloudpickled
+``(Process subclass, state)``; after that stdin stays open and carries nothing.
+Its EOF means the launcher's worker process is gone, and the child kills
+itself so that no orphan outlives its worker.  The payload carries the authkey,
+which is why it never appears on the command line.
+
+Exit status, stdout and stderr are the stdlib's: the object's own
+``BaseProcess._bootstrap`` runs ``run()`` (0 on return, 1 and a traceback on
+stderr for an uncaught exception, ``n`` for ``sys.exit(n)``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the launcher dies (Linux only).
+
+    Done here rather than in a ``preexec_fn``: the launcher runs in a
+    multi-threaded Dask worker, where ``preexec_fn`` is not fork-safe.  The
+    check of ``getppid`` afterwards closes the window before the ``prctl``.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:  # noqa: BLE001 - the stdin watchdog still guards
+        pass
+    expected = os.environ.pop("FIBER_DASK_LAUNCHER_PID", None)
+    if expected and os.getppid() != int(expected):
+        os._exit(1)  # the launcher is already gone
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        data = os.read(fd, min(n, 1 << 20))
+        if not data:
+            raise EOFError("the launcher closed the payload pipe")
+        chunks.append(data)
+        n -= len(data)
+    return b"".join(chunks)
+
+
+def _watchdog(fd: int, sentinel_w: int) -> None:
+    """Block on stdin; EOF (or an error) means the launcher died: die too."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    try:
+        os.close(sentinel_w)  # parent_process().is_alive() turns False
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    _die_with_parent()
+    # Keep the launcher's pipe on a private fd; the target gets /dev/null as
+    # stdin, as with the stdlib (its bootstrap closes stdin).
+    fd = os.dup(0)
+    (size,) = struct.unpack("!Q", _read_exact(fd, 8))
+    blob = _read_exact(fd, size)
+    sentinel_r, sentinel_w = os.pipe()
+    threading.Thread(
+        target=_watchdog, args=(fd, sentinel_w), name="fiber-watchdog", daemon=True
+    ).start()
+    # Output goes through pipes to the launcher: keep it flowing line by line.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+    import pickle
+    from multiprocessing.process import AuthenticationString
+
+    import cloudpickle  # noqa: F401  (unpickling cloudpickled objects needs it)
+
+    try:
+        cls, state = pickle.loads(blob)
+    except BaseException:
+        import traceback
+
+        sys.stderr.write("fiber-dask: cannot load the process on this worker:\n")
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    del blob
+    proc = cls.__new__(cls)
+    config = dict(state.pop("_config"))
+    config["authkey"] = AuthenticationString(config["authkey"])
+    proc.__dict__.update(state)
+    proc._config = config
+    proc._popen = None
+    # The stdlib's own bootstrap: it makes ``proc`` the current process, sets
+    # parent_process(), closes stdin, runs run() and maps its outcome to the
+    # exit code exactly as multiprocessing does.
+    return proc._bootstrap(parent_sentinel=sentinel_r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

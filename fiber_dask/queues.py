@@ -1,0 +1,372 @@
+"""Queue, SimpleQueue and JoinableQueue that work across the cluster.
+
+The items live in the process that created the queue (its owner), pickled, as
+the stdlib's live in an OS pipe; any process holding the queue — a child on
+another host, a Pool task — puts and gets through the owner over the
+authenticated direct channel (see ``objserver``).  So:
+
+- a queue outlives the death of any producer or consumer other than its owner:
+  items put and not yet taken stay; an item the owner was handing to a consumer
+  that died is put back at the front;
+- values are pickled in ``put()`` (cloudpickle: lambdas and ``__main__`` classes
+  travel too), so an unpicklable object fails there, in the caller, with the
+  pickler's own error, and types survive exactly (a list stays a list);
+- a producer's puts stay in order (one ordered connection per process and
+  queue); on an unbounded queue they are pipelined, without a round trip.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import queue
+import threading
+import time
+from multiprocessing.synchronize import SEM_VALUE_MAX
+from typing import Any
+
+import cloudpickle
+
+from .objserver import (
+    NO_REPLY,
+    Remote,
+    ServedObject,
+    get_object_server,
+    keep_until_unused,
+    resolve,
+)
+
+__all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
+
+
+_LEASE = 16  # items a fast remote consumer takes per round trip
+_LEASE_IDLE = 0.02  # seconds unread leased items stay with an idle consumer
+
+
+class _LeaseReaper:
+    """One thread per process that hands back the leases of idle consumers."""
+
+    def __init__(self) -> None:
+        self._queues: set = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, q: Queue) -> None:
+        with self._lock:
+            self._queues.add(q)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="fiber-queue-leases", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            time.sleep(_LEASE_IDLE / 2)
+            now = time.monotonic()
+            with self._lock:
+                queues = list(self._queues)
+            done = [q for q in queues if not q._return_stale_lease(now)]
+            with self._lock:
+                self._queues.difference_update(done)
+                if not self._queues:
+                    self._wake.clear()
+
+
+_reaper = _LeaseReaper()
+
+
+def _dumps(obj: Any) -> bytes:
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _QueueState(ServedObject):
+    """The owner's side: the items, and the operations on them."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.not_empty = threading.Condition(self.lock)
+        self.not_full = threading.Condition(self.lock)
+        self.all_done = threading.Condition(self.lock)
+        self.unfinished = 0
+
+    # Every operation takes plain arguments and returns plain values, so the
+    # owner calls them directly and holders call them through ``serve``.
+    def put(
+        self, blob: bytes, block: bool = True, timeout: float | None = None
+    ) -> None:
+        with self.not_full:
+            if len(self.items) >= self.maxsize:
+                if not block:
+                    raise queue.Full
+                if not self.not_full.wait_for(
+                    lambda: len(self.items) < self.maxsize, timeout
+                ):
+                    raise queue.Full
+            self.items.append(blob)
+            self.unfinished += 1
+            self.not_empty.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> bytes:
+        with self.not_empty:
+            if not self.items:
+                if not block:
+                    raise queue.Empty
+                if not self.not_empty.wait_for(lambda: self.items, timeout):
+                    raise queue.Empty
+            blob = self.items.popleft()
+            self.not_full.notify()
+            return blob
+
+    def qsize(self) -> int:
+        with self.lock:
+            return len(self.items)
+
+    def task_done(self) -> None:
+        with self.lock:
+            if self.unfinished <= 0:
+                raise ValueError("task_done() called too many times")
+            self.unfinished -= 1
+            if self.unfinished == 0:
+                self.all_done.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        with self.all_done:
+            return self.all_done.wait_for(lambda: self.unfinished == 0, timeout)
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        if op == "put":
+            self.put(*args)
+            return None
+        if op == "put-nr":  # pipelined put on an unbounded queue
+            self.put(*args)
+            return NO_REPLY
+        if op == "get":
+            block, timeout, most = args
+            blobs = [self.get(block, timeout)]
+            if most > 1:
+                blobs.extend(self._take_more(most - 1))
+            # Leased until acknowledged: a holder that dies with them unread
+            # gives them back (it acknowledges each before returning it).
+            session.setdefault("pending", collections.deque()).extend(blobs)
+            return blobs
+        if op == "ack":
+            session["pending"].popleft()
+            return NO_REPLY
+        if op == "return":  # a consumer hands back items it leased, unread
+            self.disconnected(session)
+            session["pending"].clear()
+            return NO_REPLY
+        if op in ("qsize", "task_done", "join"):
+            return getattr(self, op)(*args)
+        raise ValueError(f"unknown queue operation {op!r}")
+
+    def _take_more(self, most: int) -> list[bytes]:
+        """Extra items for a fast consumer: never more than its share."""
+        with self.lock:
+            share = len(self.items) // max(1, self.connections)
+            n = min(most, share)
+            out = [self.items.popleft() for _ in range(n)]
+            if n:
+                self.not_full.notify(n)
+            return out
+
+    def disconnected(self, session: dict) -> None:
+        pending = session.get("pending")
+        if pending:
+            # Its consumer died (or hung up) before taking these: they go back
+            # to the front, in order.
+            with self.lock:
+                self.items.extendleft(reversed(pending))
+                self.not_empty.notify(len(pending))
+
+
+def _rebuild(cls: type, ref: tuple) -> Any:
+    q = cls.__new__(cls)
+    q._setup(ref)
+    return q
+
+
+class Queue:
+    """``multiprocessing.Queue`` whose items live in the creating process and
+    which any process of the cluster can use.
+
+    Parameters
+    ----------
+    maxsize : int
+        Items the queue holds before ``put`` blocks; ``<= 0`` means unbounded.
+    """
+
+    _served = _QueueState
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
+        if maxsize <= 0:
+            maxsize = SEM_VALUE_MAX  # as the stdlib
+        state = self._served(maxsize)
+        server = get_object_server()
+        oid = server.add(state)
+        self._setup((server.address, server.authkey, oid, maxsize), state)
+        keep_until_unused(state, self, oid)
+
+    def _setup(self, ref: tuple, target: Any = None) -> None:
+        self._ref = ref
+        self._maxsize = ref[3]
+        self._target = target if target is not None else resolve(*ref[:3])
+        self._closed = False
+        self._buffer: collections.deque = collections.deque()  # leased items
+        self._get_lock = threading.Lock()
+        self._last_get = 0.0
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._ref))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__module__}.{type(self).__qualname__} object at {id(self):#x}>"
+
+    def _call(self, op: str, *args: Any) -> Any:
+        target = self._target
+        if isinstance(target, Remote):
+            return target.call(op, *args)
+        return getattr(target, op)(*args)
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj``; with ``block`` wait up to ``timeout`` s for room
+        (``queue.Full`` then).  ``obj`` is pickled now, in the caller."""
+        self._check_closed()
+        blob = _dumps(obj)
+        target = self._target
+        if isinstance(target, Remote):
+            if self._maxsize == SEM_VALUE_MAX:
+                target.send("put-nr", blob)
+            else:
+                target.call("put", blob, block, timeout)
+        else:
+            target.put(blob, block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Remove and return an item; ``queue.Empty`` if none comes in time."""
+        self._check_closed()
+        if block and timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        target = self._target
+        if not isinstance(target, Remote):
+            return pickle.loads(target.get(block, timeout))
+        with self._get_lock:
+            if not self._buffer:
+                # A consumer that comes back within 2 ms is draining the queue
+                # in a loop: lease it a few items per round trip.  A slow one
+                # takes one at a time, so items never wait behind its work.
+                fast = time.monotonic() - self._last_get < 0.002
+                self._buffer.extend(
+                    target.call("get", block, timeout, _LEASE if fast else 1)
+                )
+                if len(self._buffer) > 1:
+                    _reaper.watch(self)
+            blob = self._buffer.popleft()
+            target.send("ack")  # taken: from now on ours, as in the stdlib
+            self._last_get = time.monotonic()
+        return pickle.loads(blob)
+
+    def _return_stale_lease(self, now: float) -> bool:
+        """Give back leased items this consumer has not come for within
+        ``_LEASE_IDLE`` s, so no item waits on a consumer that stopped (the
+        stdlib never holds items for a process that is not in ``get``).
+        Returns True while a lease remains to watch."""
+        if not self._get_lock.acquire(blocking=False):
+            return True  # a get() is under way: look again later
+        try:
+            if not self._buffer:
+                return False
+            if now - self._last_get < _LEASE_IDLE:
+                return True
+            self._buffer.clear()
+            try:
+                self._target.send("return")
+            except ConnectionError:
+                pass  # the owner is gone, and with it the items
+            return False
+        finally:
+            self._get_lock.release()
+
+    def qsize(self) -> int:
+        """Approximate number of items in the queue (exact in its owner)."""
+        return self._call("qsize")
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def full(self) -> bool:
+        return self.qsize() >= self._maxsize
+
+    def put_nowait(self, obj: Any) -> None:
+        return self.put(obj, False)
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def close(self) -> None:
+        """This process will put no more.  Its puts so far are in the queue
+        when ``close`` returns (they are pipelined; one round trip flushes
+        them), and its connection is released."""
+        if self._closed:
+            return
+        self._closed = True
+        target = self._target
+        if isinstance(target, Remote):
+            try:
+                target.call("qsize")  # answered after every earlier put
+            except ConnectionError:
+                pass
+            with self._get_lock:
+                self._buffer.clear()  # the owner takes back unread leases
+            target.close()
+
+    def join_thread(self) -> None:
+        """Wait for this process's puts to be in the queue: ``close`` did."""
+        if not self._closed:
+            raise AssertionError(f"Queue {self!r} not closed")
+
+    def cancel_join_thread(self) -> None:
+        """Accepted for compatibility: there is no feeder thread to cancel."""
+
+
+class JoinableQueue(Queue):
+    """``multiprocessing.JoinableQueue``: a :class:`Queue` with ``task_done``/``join``."""
+
+    def task_done(self) -> None:
+        """One item taken earlier is processed; ``ValueError`` if called too often."""
+        self._call("task_done")
+
+    def join(self) -> None:
+        """Block until every item put has had its ``task_done``."""
+        target = self._target
+        if isinstance(target, Remote):
+            target.call("join", None)
+        else:
+            target.join(None)
+
+
+class SimpleQueue(Queue):
+    """``multiprocessing.SimpleQueue``: unbounded ``get``/``put``/``empty``/``close``."""
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        super().__init__(0, ctx=ctx)
+
+    def put(self, obj: Any) -> None:  # type: ignore[override]
+        super().put(obj)
+
+    def get(self) -> Any:  # type: ignore[override]
+        return super().get()
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise OSError("handle is closed")
