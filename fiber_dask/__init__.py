@@ -17,6 +17,7 @@ from . import config  # noqa: F401  (loads the fiber.* defaults into dask.config
 from .cluster import init, shutdown
 from .context import DaskContext, default_context, get_context
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from .meta import meta
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "DaskContext",
     "get_context",
     "init",
+    "meta",
     "shutdown",
 ]
 

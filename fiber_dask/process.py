@@ -160,7 +160,12 @@ class Process(BaseProcess):
         handle = cluster.get_handle(
             client=self._fiber_client, address=self._fiber_address
         )
-        self._popen = _Launch(self._name, payload, handle, self._resources)
+        resources = self._resources
+        if resources is None:  # @fiber_dask.meta(...) on the target or run()
+            from .meta import resources_of
+
+            resources = resources_of(self._target) or resources_of(type(self).run)
+        self._popen = _Launch(self._name, payload, handle, resources)
         self._sentinel = self._popen.sentinel
         # Avoid a refcycle if the target holds the process object (bpo-30775).
         del self._target, self._args, self._kwargs

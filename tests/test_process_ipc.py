@@ -1,0 +1,174 @@
+"""Processes talking through Queues and Pipes: stdlib oracle and fiber_dask alike.
+
+Each test runs with ``ctx`` = the stdlib's forkserver context and fiber-dask's
+context (children on the session's embedded cluster, the queue or pipe owned
+by the test process).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def produce(q, n):
+    for i in range(n):
+        q.put((os.getpid(), i))
+
+
+def relay(inbox, outbox):
+    while True:
+        item = inbox.get(timeout=30)
+        outbox.put(item)
+        if item is None:
+            return
+
+
+def ponger(conn, n):
+    for _ in range(n):
+        conn.send(conn.recv() * 2)
+    conn.close()
+
+
+def drain_joinable(q, n):
+    for _ in range(n):
+        q.get(timeout=30)
+        q.task_done()
+
+
+def test_child_produces_parent_consumes(ctx):
+    q = ctx.Queue()
+    p = ctx.Process(target=produce, args=(q, 500))
+    p.start()
+    got = [q.get(timeout=30) for _ in range(500)]
+    p.join(30)
+    assert p.exitcode == 0
+    assert [i for _, i in got] == list(range(500))
+    assert {pid for pid, _ in got} == {p.pid}
+
+
+def test_two_children_exchange_through_queues(ctx):
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=produce, args=(inbox, 300))
+    middle = ctx.Process(target=relay, args=(inbox, outbox))
+    middle.start()
+    producer.start()
+    producer.join(30)
+    inbox.put(None)
+    got = []
+    while (item := outbox.get(timeout=30)) is not None:
+        got.append(item)
+    middle.join(30)
+    assert (producer.exitcode, middle.exitcode) == (0, 0)
+    assert [i for _, i in got] == list(range(300))
+
+
+def test_pipe_ping_pong_with_a_child(ctx):
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=ponger, args=(b, 100))
+    p.start()
+    b.close()  # the child holds the only other copy now
+    for i in range(100):
+        a.send(i)
+        assert a.recv() == 2 * i
+    with pytest.raises(EOFError):
+        a.recv()  # the child closed its end and exited
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_joinable_queue_join_waits_for_child_task_done(ctx):
+    q = ctx.JoinableQueue()
+    for i in range(50):
+        q.put(i)
+    p = ctx.Process(target=drain_joinable, args=(q, 50))
+    p.start()
+    q.join()
+    p.join(30)
+    assert p.exitcode == 0
+    assert q.empty()
+
+
+def test_simple_queue_between_parent_and_child(ctx):
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=produce, args=(q, 20))
+    p.start()
+    got = [q.get() for _ in range(20)]
+    p.join(30)
+    assert [i for _, i in got] == list(range(20))
+
+
+def slow_produce(q, n):
+    for i in range(n):
+        q.put(i)
+        time.sleep(0.01)
+
+
+def test_fiber_queue_keeps_items_when_the_producer_is_killed(fiber_ctx):
+    q = fiber_ctx.Queue()
+    p = fiber_ctx.Process(target=slow_produce, args=(q, 10_000))
+    p.start()
+    first = q.get(timeout=30)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    got = [first]
+    while True:
+        try:
+            got.append(q.get(timeout=1))
+        except queue.Empty:
+            break
+    # Everything it put before dying is there, once and in order.
+    assert got == list(range(len(got)))
+    assert len(got) > 5
+
+
+def report_parent_pid(q):
+    q.put(os.getppid())  # the Dask worker process that launched us
+
+
+def test_fiber_meta_places_a_process_on_a_worker_with_the_resource(tmp_path):
+    """``@meta(gpu=1)`` becomes Dask resource ``GPU=1``: the child runs on the
+    one worker (started like an operator would, ``dask worker --resources``)
+    that has it."""
+    import subprocess
+    import sys
+
+    from distributed import Client
+    from helpers_cluster import loopback_cluster
+
+    import fiber_dask
+
+    targeted = fiber_dask.meta(gpu=1)(report_parent_pid)
+    assert fiber_dask.meta.resources_of(targeted) == {"GPU": 1}
+    with loopback_cluster(1) as cluster, Client(cluster, set_as_default=False) as c:
+        gpu_worker = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker",
+             cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
+             "--resources", "GPU=1", "--host", "127.0.0.1", "--name", "gpu"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            c.wait_for_workers(2, timeout=60)
+            info = c.scheduler_info(n_workers=-1)["workers"]
+            gpu_addr = next(a for a, w in info.items() if w.get("resources"))
+            gpu_pid = c.run(os.getpid, workers=[gpu_addr])[gpu_addr]
+            q = fiber_dask.Queue()
+            for _ in range(3):
+                p = fiber_dask.Process(target=targeted, args=(q,), client=c)
+                p.start()
+                assert q.get(timeout=60) == gpu_pid
+                p.join(30)
+                assert p.exitcode == 0
+        finally:
+            gpu_worker.terminate()
+            gpu_worker.wait(30)
+    with pytest.raises(TypeError, match="unknown hints"):
+        fiber_dask.meta(tpu=1)
