@@ -20,7 +20,6 @@ from typing import Any
 import cloudpickle
 
 from .objserver import (
-    NO_REPLY,
     Remote,
     ServedObject,
     get_object_server,
@@ -94,12 +93,15 @@ class _PipeState(ServedObject):
             # between goes back to the head of the buffer.
             session["pending"] = (args[0], blob)
             return blob
-        if op == "ack":
-            session.pop("pending", None)
-            return NO_REPLY
         if op in ("send", "poll", "opened"):
             return getattr(self, op)(*args)
         raise ValueError(f"unknown pipe operation {op!r}")
+
+    def serve_raw(self, raw: bytes, session: dict) -> None:
+        if raw == b"A":  # the holder received the message it asked for
+            session.pop("pending", None)
+        else:
+            super().serve_raw(raw, session)
 
     def disconnected(self, session: dict) -> None:
         pending = session.get("pending")
@@ -178,7 +180,7 @@ class Connection:
         if not isinstance(target, Remote):
             return target.recv(self._end)
         blob = target.call("recv", self._end)
-        target.send("ack")  # received: from now on ours
+        target.send_raw(b"A")  # received: from now on ours
         return blob
 
     def _check_closed(self) -> None:

@@ -52,6 +52,10 @@ class ServedObject:
     def serve(self, op: str, args: tuple, session: dict) -> Any:
         raise NotImplementedError
 
+    def serve_raw(self, raw: bytes, session: dict) -> None:
+        """A one-way message that is not a pickle (its first byte says what)."""
+        raise ValueError(f"unexpected raw message {raw[:1]!r}")
+
     def disconnected(self, session: dict) -> None:
         """A holder's connection ended (closed, or its process died)."""
 
@@ -111,6 +115,11 @@ def _serve_connection(
                 raw = conn.recv_bytes()
             except (EOFError, OSError):
                 return
+            if raw[:1] != b"\x80":
+                # A raw one-way message (no pickle, no reply): the hot path of
+                # pipelined puts and acknowledgements.
+                obj.serve_raw(raw, session)
+                continue
             op, *args = pickle.loads(raw)  # an authenticated peer's plain tuple
             try:
                 reply = (True, obj.serve(op, tuple(args), session))
@@ -220,7 +229,11 @@ class Remote:
 
     def send(self, op: str, *args: Any) -> None:
         """Send a request that has no reply (pipelined)."""
-        msg = pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL)
+        self.send_raw(pickle.dumps((op, *args), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_raw(self, msg: bytes) -> None:
+        """Send one message as is: a pickled request, or a raw one-way message
+        (see ``ServedObject.serve_raw``)."""
         with self._lock:
             conn = self._connection()
             try:

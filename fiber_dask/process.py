@@ -43,6 +43,7 @@ import codecs
 import logging
 import os
 import pickle
+import random
 import signal
 import struct
 import subprocess
@@ -66,6 +67,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _children: set = set()  # started fiber Processes of this process, not yet reaped
+_SLOT_WAIT = 0.5  # seconds a queued launcher task waits before launching beside tasks
 _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
 
 
@@ -251,6 +253,13 @@ class _Launch:
             self._fds_finalizer()
             raise
         _when_done(handle.client, self._future, self._on_future_done)
+        # A launcher task needs a free slot for a moment; if Pool loops hold
+        # them all, start it beside the tasks of a worker instead.
+        timer = threading.Timer(
+            _SLOT_WAIT, self._launch_without_slot, (handle, resources)
+        )
+        timer.daemon = True
+        timer.start()
 
     # ---------------------------------------------------------- Popen interface
 
@@ -311,6 +320,11 @@ class _Launch:
                 channel.hangup(conn)
                 return
             self._server.unregister(self._service)
+            if self._future is not None and self._future.status == "pending":
+                try:  # launched beside tasks: the queued task is not needed
+                    self._future.cancel()
+                except Exception:
+                    pass
             hello = hello or {}
             self.worker = hello.get("worker")
             self.worker_pid = hello.get("pid")
@@ -369,6 +383,37 @@ class _Launch:
                 stream.flush()
         except Exception:  # a closed or odd stream must not kill the reader
             pass
+
+    def _launch_without_slot(self, handle: Any, resources: Any) -> None:
+        """The launcher task is still queued: run a launcher on a worker that
+        has the resources, with ``client.run`` (no slot needed).  The service
+        takes only the first launcher, so the two can never both start it."""
+        if self._claimed or self.returncode is not None:
+            return
+        try:
+            if self._future.status != "pending":
+                return
+            workers = handle.client.scheduler_info(n_workers=-1)["workers"]
+            fits = [
+                addr
+                for addr, w in workers.items()
+                if all(
+                    w.get("resources", {}).get(k, 0) >= v
+                    for k, v in (resources or {}).items()
+                )
+            ]
+            if not fits or self._claimed:
+                return  # none fits now: the queued task waits for scaling
+            target = random.choice(fits)
+            handle.client.run(
+                _launch_beside_tasks,
+                self._server.address,
+                self._server.authkey,
+                self._service,
+                workers=[target],
+            )
+        except Exception:  # the client may be closing: the task path remains
+            logger.debug("fiber-dask: could not launch beside tasks", exc_info=True)
 
     def _on_future_done(self, fut: Any) -> None:
         """The launcher task ended (runs in the client's event loop: no blocking).
@@ -447,16 +492,19 @@ def _close_fds(fds: dict, *which: str) -> None:
 # ------------------------------------------------------------------- the launcher
 
 
-def run_launcher(address: tuple[str, int], authkey: bytes, service: str) -> str:
+def run_launcher(
+    address: tuple[str, int], authkey: bytes, service: str, worker: Any = None
+) -> str:
     """Body of a Process's Dask task: start the child and relay for it.
 
     Returns why it ended: ``"exited"``, ``"refused"`` (another launcher already
     ran this Process, or its parent is gone), ``"parent-lost"``.
     """
     try:
-        from distributed import get_worker
+        if worker is None:
+            from distributed import get_worker
 
-        worker = get_worker()
+            worker = get_worker()
         worker_address = worker.address
         scheduler_address = worker.scheduler.address
     except (ImportError, ValueError):
@@ -480,6 +528,17 @@ def run_launcher(address: tuple[str, int], authkey: bytes, service: str) -> str:
         return _launch(conn, payload, worker_address, scheduler_address)
     finally:
         channel.hangup(conn)
+
+
+def _launch_beside_tasks(address, authkey, service, dask_worker=None) -> None:
+    """Run a launcher in a thread of this worker process, outside its task
+    slots (``client.run`` calls this on the worker's event loop: return at once)."""
+    threading.Thread(
+        target=run_launcher,
+        args=(address, authkey, service, dask_worker),
+        name="fiber-process-launcher",
+        daemon=True,
+    ).start()
 
 
 def _secede() -> None:

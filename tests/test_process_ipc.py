@@ -172,3 +172,31 @@ def test_fiber_meta_places_a_process_on_a_worker_with_the_resource(tmp_path):
             gpu_worker.wait(30)
     with pytest.raises(TypeError, match="unknown hints"):
         fiber_dask.meta(tpu=1)
+
+
+def put_pid(q):
+    q.put(os.getpid())
+
+
+def busy_until(path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def test_fiber_process_starts_while_pool_loops_hold_every_slot(fiber_ctx, tmp_path):
+    stop = str(tmp_path / "stop")
+    with fiber_ctx.Pool(2) as pool:
+        busy = [pool.apply_async(busy_until, (stop,)) for _ in range(2)]
+        time.sleep(0.5)
+        q = fiber_ctx.Queue()
+        p = fiber_ctx.Process(target=put_pid, args=(q,))
+        p.start()
+        try:
+            assert q.get(timeout=30) == p.pid  # ran while both slots were busy
+            p.join(30)
+            assert p.exitcode == 0
+            assert not any(r.ready() for r in busy)
+        finally:
+            open(stop, "w").close()
+        assert len({r.get(timeout=30) for r in busy}) == 2
