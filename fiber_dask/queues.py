@@ -22,6 +22,7 @@ import pickle
 import queue
 import threading
 import time
+import weakref
 from multiprocessing.synchronize import SEM_VALUE_MAX
 from typing import Any
 
@@ -40,7 +41,81 @@ __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 
 
 _LEASE = 64  # items a fast remote consumer takes per round trip
+_BATCH_LIMIT = 64 * 1024  # a put this big is sent alone, not batched
 _LEASE_IDLE = 0.02  # seconds unread leased items stay with an idle consumer
+
+
+class _Feeder:
+    """Sends a process's puts to a remote queue from a thread, as the stdlib's
+    feeder thread does: ``put`` returns at once, and what accumulates while a
+    send is under way goes in one message.  ``close()``/``join_thread()`` and
+    process exit (a ``multiprocessing.util.Finalize``) wait until all is sent;
+    a process killed meanwhile loses what was not sent, as with the stdlib."""
+
+    def __init__(self, remote: Remote, owner: Queue) -> None:
+        from multiprocessing.util import Finalize
+
+        self.remote = remote
+        self.items: list[bytes] = []
+        self.cond = threading.Condition()
+        self.sending = False
+        self.error: BaseException | None = None
+        self.owner = weakref.ref(owner)
+        threading.Thread(
+            target=self._run, name="fiber-queue-feeder", daemon=True
+        ).start()
+        Finalize(owner, self.flush, exitpriority=10)
+
+    def put(self, blob: bytes) -> None:
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            self.items.append(blob)
+            self.cond.notify_all()
+
+    def flush(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.items and not self.sending)
+            if self.error is not None:
+                raise self.error
+
+    def _send(self, items: list[bytes]) -> None:
+        """Small items go together in one message; a big one goes alone (a
+        batch would cost it another copy and gain nothing)."""
+        batch: list[bytes] = []
+        for blob in items:
+            if len(blob) < _BATCH_LIMIT:
+                batch.append(blob)
+                continue
+            self._send_batch(batch)
+            batch = []
+            self.remote.send_raw(b"P" + blob)
+        self._send_batch(batch)
+
+    def _send_batch(self, batch: list[bytes]) -> None:
+        if len(batch) == 1:
+            self.remote.send_raw(b"P" + batch[0])
+        elif batch:
+            self.remote.send_raw(b"M" + pickle.dumps(batch, protocol=5))
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                if not self.cond.wait_for(lambda: self.items, timeout=1.0):
+                    if self.owner() is None:
+                        return  # its queue handle is gone and all is sent
+                    continue
+                items, self.items = self.items, []
+                self.sending = True
+            try:
+                self._send(items)
+            except BaseException as e:  # the owner is gone: say so at the next put
+                with self.cond:
+                    self.error = e
+            finally:
+                with self.cond:
+                    self.sending = False
+                    self.cond.notify_all()
 
 
 class _LeaseReaper:
@@ -61,6 +136,25 @@ class _LeaseReaper:
                 )
                 self._thread.start()
         self._wake.set()
+
+    def _send(self, items: list[bytes]) -> None:
+        """Small items go together in one message; a big one goes alone (a
+        batch would cost it another copy and gain nothing)."""
+        batch: list[bytes] = []
+        for blob in items:
+            if len(blob) < _BATCH_LIMIT:
+                batch.append(blob)
+                continue
+            self._send_batch(batch)
+            batch = []
+            self.remote.send_raw(b"P" + blob)
+        self._send_batch(batch)
+
+    def _send_batch(self, batch: list[bytes]) -> None:
+        if len(batch) == 1:
+            self.remote.send_raw(b"P" + batch[0])
+        elif batch:
+            self.remote.send_raw(b"M" + pickle.dumps(batch, protocol=5))
 
     def _run(self) -> None:
         while True:
@@ -171,6 +265,9 @@ class _QueueState(ServedObject):
             session["pending"].popleft()
         elif kind == b"P":  # a pipelined put on an unbounded queue
             self.put(raw[1:])
+        elif kind == b"M":  # several, from a producer's feeder thread
+            for blob in pickle.loads(raw[1:]):
+                self.put(blob)
         else:
             super().serve_raw(raw, session)
 
@@ -226,6 +323,7 @@ class Queue:
         self._maxsize = ref[3]
         self._target = target if target is not None else resolve(*ref[:3])
         self._closed = False
+        self._feeder: _Feeder | None = None  # sends this process's puts
         self._buffer: collections.deque = collections.deque()  # leased items
         self._get_lock = threading.Lock()
         self._last_get = 0.0
@@ -239,6 +337,8 @@ class Queue:
     def _call(self, op: str, *args: Any) -> Any:
         target = self._target
         if isinstance(target, Remote):
+            if self._feeder is not None:
+                self._feeder.flush()  # this process's puts come first
             return target.call(op, *args)
         return getattr(target, op)(*args)
 
@@ -254,7 +354,9 @@ class Queue:
         target = self._target
         if isinstance(target, Remote):
             if self._maxsize == SEM_VALUE_MAX:
-                target.send_raw(b"P" + blob)
+                if self._feeder is None:
+                    self._feeder = _Feeder(target, self)
+                self._feeder.put(blob)
             else:
                 target.call("put", blob, block, timeout)
         else:
@@ -331,7 +433,7 @@ class Queue:
         target = self._target
         if isinstance(target, Remote):
             try:
-                target.call("qsize")  # answered after every earlier put
+                self._call("qsize")  # answered after every earlier put
             except ConnectionError:
                 pass
             with self._get_lock:

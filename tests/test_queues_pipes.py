@@ -385,3 +385,23 @@ def test_top_level_names(fiber_ctx):
     assert isinstance(fiber_dask.Queue(), fiber_dask.queues.Queue)
     a, b = fiber_dask.Pipe()
     assert isinstance(a, fiber_dask.connection.Connection)
+
+
+def _put_once(q, x):
+    q.put(x)
+
+
+def _feeder_threads():
+    import threading
+
+    return sum(t.name == "fiber-queue-feeder" for t in threading.enumerate())
+
+
+def test_feeder_threads_end_with_their_queue_handles(fiber_ctx):
+    q = fiber_ctx.Queue()
+    with fiber_ctx.Pool(1) as pool:
+        for i in range(30):
+            pool.apply(_put_once, (q, i))
+        assert sorted(q.get(timeout=10) for _ in range(30)) == list(range(30))
+        time.sleep(2.5)  # handles are garbage; their feeders notice within 1 s
+        assert pool.apply(_feeder_threads) <= 2
