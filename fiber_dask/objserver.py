@@ -119,8 +119,10 @@ def _serve_connection(
                 # A raw one-way message (no pickle, no reply): the hot path of
                 # pipelined puts and acknowledgements.
                 obj.serve_raw(raw, session)
+                raw = None  # not held while waiting for the next message
                 continue
             op, *args = pickle.loads(raw)  # an authenticated peer's plain tuple
+            raw = None
             try:
                 reply = (True, obj.serve(op, tuple(args), session))
             except Exception as e:  # the error travels back to the caller
