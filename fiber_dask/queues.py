@@ -64,7 +64,8 @@ class _Feeder:
         threading.Thread(
             target=self._run, name="fiber-queue-feeder", daemon=True
         ).start()
-        Finalize(owner, self.flush, exitpriority=10)
+        self.cancelled = False  # cancel_join_thread(): no flush at exit
+        Finalize(owner, self._flush_at_exit, exitpriority=10)
 
     def put(self, blob: bytes) -> None:
         with self.cond:
@@ -72,6 +73,13 @@ class _Feeder:
                 raise self.error
             self.items.append(blob)
             self.cond.notify_all()
+
+    def _flush_at_exit(self) -> None:
+        if not self.cancelled:
+            try:
+                self.flush()
+            except BaseException:  # the owner is gone: nothing to wait for
+                pass
 
     def flush(self) -> None:
         with self.cond:
@@ -136,25 +144,6 @@ class _LeaseReaper:
                 )
                 self._thread.start()
         self._wake.set()
-
-    def _send(self, items: list[bytes]) -> None:
-        """Small items go together in one message; a big one goes alone (a
-        batch would cost it another copy and gain nothing)."""
-        batch: list[bytes] = []
-        for blob in items:
-            if len(blob) < _BATCH_LIMIT:
-                batch.append(blob)
-                continue
-            self._send_batch(batch)
-            batch = []
-            self.remote.send_raw(b"P" + blob)
-        self._send_batch(batch)
-
-    def _send_batch(self, batch: list[bytes]) -> None:
-        if len(batch) == 1:
-            self.remote.send_raw(b"P" + batch[0])
-        elif batch:
-            self.remote.send_raw(b"M" + pickle.dumps(batch, protocol=5))
 
     def _run(self) -> None:
         while True:
@@ -446,7 +435,10 @@ class Queue:
             raise AssertionError(f"Queue {self!r} not closed")
 
     def cancel_join_thread(self) -> None:
-        """Accepted for compatibility: there is no feeder thread to cancel."""
+        """Do not wait at process exit for this process's unsent puts (they may
+        be lost), as the stdlib's does."""
+        if self._feeder is not None:
+            self._feeder.cancelled = True
 
 
 class JoinableQueue(Queue):
