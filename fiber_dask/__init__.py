@@ -63,7 +63,17 @@ for _name in (
     "Array",
     "RawValue",
     "RawArray",
+    "get_all_start_methods",
+    "set_start_method",
+    "freeze_support",
+    "set_executable",
+    "set_forkserver_preload",
+    "allow_connection_pickling",
+    "log_to_stderr",
+    "get_logger",
 ):
     globals()[_name] = getattr(_ctx, _name)
     __all__.append(_name)
 del _name
+reducer = _ctx.reducer
+__all__.append("reducer")

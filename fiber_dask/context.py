@@ -8,6 +8,7 @@ of one default context, and each factory imports its module lazily so that
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 from typing import Any
 
 from .process import Process as _Process
@@ -34,8 +35,8 @@ def _not_yet(name: str):
     def factory(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"fiber_dask.{name} is not implemented yet (planned: {_PLANNED[name]}). "
-            "Only Pool runs on the cluster in this version; use the stdlib's "
-            f"multiprocessing.{name} for single-machine code meanwhile."
+            "Pool, Process, Queue and Pipe run on the cluster in this version; use "
+            f"the stdlib's multiprocessing.{name} for single-machine code meanwhile."
         )
 
     factory.__name__ = name
@@ -114,11 +115,81 @@ class DaskContext:
         return cluster.task_slots()
 
     def get_context(self, method: str | None = None) -> DaskContext:
-        """This context.  Start methods do not apply to a Dask cluster."""
+        """This context, whatever ``method`` names: children always start on
+        Dask workers.  An unknown method is a ``ValueError``, as in the stdlib."""
+        _check_method(method)
         return self
 
     def get_start_method(self, allow_none: bool = False) -> str:
+        """``"dask"``: children start on Dask workers."""
         return self._name
+
+    def get_all_start_methods(self) -> list[str]:
+        """The one start method fiber-dask has."""
+        return [self._name]
+
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
+        """Accepted so legacy scripts run: children always start on Dask workers.
+
+        ``"dask"`` (or None with ``force``) is silent; a stdlib method name
+        (``fork``, ``spawn``, ``forkserver``) warns that it is not honoured; an
+        unknown name is a ``ValueError``.  Like the stdlib, a second call
+        without ``force=True`` is a ``RuntimeError``.
+        """
+        _check_method(method)
+        if self._method_set and not force:
+            raise RuntimeError("context has already been set")
+        self._method_set = method is not None
+        if method not in (None, self._name):
+            warnings.warn(
+                f"set_start_method({method!r}): fiber-dask starts every child on a "
+                "Dask worker (a fresh Python process there, like 'spawn'); the "
+                "start method is not used.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    _method_set = False
+
+    def freeze_support(self) -> None:
+        """The stdlib's (a no-op except in frozen Windows executables)."""
+        multiprocessing.freeze_support()
+
+    def set_executable(self, executable: str) -> None:
+        """Not used: children run the Python of their Dask worker; warns."""
+        warnings.warn(
+            "set_executable() is not used by fiber-dask: children run the Python "
+            "interpreter of the Dask worker that hosts them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def set_forkserver_preload(self, module_names: list[str]) -> None:
+        """Not used (there is no forkserver); warns."""
+        warnings.warn(
+            "set_forkserver_preload() is not used by fiber-dask (there is no "
+            "forkserver: children start on Dask workers).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def allow_connection_pickling(self) -> None:
+        """Nothing to do: fiber-dask's Connections always pickle."""
+
+    def log_to_stderr(self, level: int | None = None) -> Any:
+        """The stdlib's multiprocessing logger, logging to stderr."""
+        return multiprocessing.log_to_stderr(level)
+
+    def get_logger(self) -> Any:
+        """The stdlib's multiprocessing logger."""
+        return multiprocessing.get_logger()
+
+    @property
+    def reducer(self) -> Any:
+        """The stdlib's ``multiprocessing.reduction`` module."""
+        from multiprocessing import reduction
+
+        return reduction
 
     def current_process(self) -> Any:
         return multiprocessing.current_process()
@@ -138,6 +209,13 @@ for _name in _PLANNED:
 del _name
 
 default_context = DaskContext()
+
+_METHODS = ("dask", "fork", "spawn", "forkserver")
+
+
+def _check_method(method: str | None) -> None:
+    if method is not None and method not in _METHODS:
+        raise ValueError(f"cannot find context for {method!r}")
 
 
 def get_context(method: str | None = None) -> DaskContext:
