@@ -1,4 +1,4 @@
-"""Task functions and small helpers shared by the benchmarks.
+"""Task functions and the harness shared by the benchmarks.
 
 The task functions live in this importable module, not in the benchmark script, so
 every engine ships them *by reference* (module + name), the way a real user's library
@@ -6,15 +6,27 @@ function travels: stdlib ``pickle`` under ``spawn``/``forkserver``, cloudpickle 
 and fiber-dask, Ray and IPyParallel all send ``benchmarks.common.busy`` as a name that
 the worker imports. The benchmark puts the repository root on ``sys.path`` and on
 ``PYTHONPATH`` so that every worker process started on this machine can import it.
+
+The harness below (cleanup, report formatting, the command line's common options)
+serves ``overhead.py`` and ``queues.py``. Child processes import this module, so its
+top level imports only the standard library: no dask, no psutil.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import logging
+import math
 import os
+import platform
+import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 #: Repository root (the parent of ``benchmarks/``).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,3 +76,350 @@ def format_duration(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:g} ms"
     return f"{seconds * 1e6:g} us"
+
+
+def format_cell(
+    value: float, fmt: str, ratio_to: float | None = None, x: str = "x"
+) -> str:
+    """``value`` in ``fmt`` (``-`` if nan), plus `` (N x)`` = value / ``ratio_to``."""
+    if math.isnan(value):
+        return "-"
+    s = fmt.format(value)
+    if ratio_to is not None:
+        s += f" ({value / ratio_to:.2f}{x})"
+    return s
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` starting at index ``k`` (mod len), so every item gets to go first."""
+    n = len(items)
+    return [items[(i + k) % n] for i in range(n)]
+
+
+class CaseTimeout(Exception):
+    """A single measured call took longer than ``--timeout``."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise CaseTimeout
+
+
+def timed(fn: Callable[[], Any], timeout: float) -> tuple[float, Any]:
+    """Run ``fn()``; return (seconds, result). Raise :class:`CaseTimeout` past timeout.
+
+    SIGALRM interrupts the main thread's blocking waits, so a hung engine costs one
+    timeout instead of the whole run.
+    """
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def stop_forkserver(timeout: float | None = None) -> None:
+    """Stop the stdlib forkserver now, so no process outlives the run even briefly.
+
+    Otherwise it only exits on noticing our exit, a moment after we are gone. With a
+    ``timeout`` the stop runs under :func:`timed` and nothing it raises escapes (not
+    even a second Ctrl-C); without one, an ``Exception`` is noted and that is all.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or not hasattr(server, "_stop"):
+        return
+    caught = Exception if timeout is None else BaseException
+    try:
+        if timeout is None:
+            server._stop()
+        else:
+            timed(server._stop, timeout)
+    except caught as e:
+        log(f"note: could not stop the forkserver: {type(e).__name__}: {e}")
+
+
+def reap_children(grace: float = 10.0) -> list[str]:
+    """Wait for this process's children to exit; kill stragglers; describe them.
+
+    The forkserver and the resource tracker are left alone: they exit with us.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return []
+    benign = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+    def leftovers() -> list[Any]:
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(p.cmdline())
+                if p.status() == psutil.STATUS_ZOMBIE or any(b in cmd for b in benign):
+                    continue
+            except psutil.Error:
+                continue
+            out.append(p)
+        return out
+
+    deadline = time.monotonic() + grace
+    procs = leftovers()
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        procs = leftovers()
+    described = []
+    for p in procs:
+        try:
+            described.append(f"pid {p.pid}: {' '.join(p.cmdline())[:100]}")
+            p.kill()
+        except psutil.Error:
+            pass
+    return described
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def prepare_main(args: argparse.Namespace) -> None:
+    """What ``main()`` does before the run: imports, log levels, SIGTERM."""
+    ensure_importable()
+    if not args.verbose:
+        # Shutdown chatter ("Stream is closed", ...) from the in-process nannies.
+        logging.getLogger("distributed").setLevel(logging.ERROR)
+    # A plain `kill` should clean up as well as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+class Harness:
+    """What both benchmarks keep about a run, its teardown and its output.
+
+    A subclass provides ``measured()`` (the names of the engines with results),
+    ``table()``, ``target_rows()``, ``meta_lines()``, ``json_report()`` and the
+    reports' titles. Engines have ``name``, ``version``, ``note`` and ``teardown()``.
+    """
+
+    #: Seconds for one engine's teardown and for stopping the forkserver; ``None``
+    #: calls them plainly (see :func:`stop_forkserver`).
+    teardown_timeout: float | None = None
+    forkserver_timeout: float | None = None
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engines: list[Any] = []  # all requested, in --engines order
+        self.live: list[Any] = []  # started, teardown() not yet
+        self.failed: dict[str, str] = {}  # name -> error
+        self.repeats_done = 0
+        self.interrupted = False
+        self.load_before = os.getloadavg()
+        self.load_after: tuple[float, ...] | None = None
+        self.started = datetime.datetime.now().astimezone()
+
+    #: The reports' titles and notes.
+    text_title = markdown_title = ratio_note = cells_note = targets_title = ""
+
+    def measured(self) -> list[str]:
+        raise NotImplementedError
+
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
+        """Header and rows of the results; ``x`` is the multiplication sign."""
+        raise NotImplementedError
+
+    def target_rows(self, x: str = "x") -> list[list[str]]:
+        """``[what, measured, target, "ok" or "MISSED"]`` rows."""
+        return []
+
+    def meta_lines(self) -> list[str]:
+        raise NotImplementedError
+
+    def json_report(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- teardown
+
+    def teardown_one(self, eng: Any) -> None:
+        if eng not in self.live:
+            return
+        self.live.remove(eng)
+        if not self.args.verbose:
+            # A LocalCluster restores the log level it found when it started, which
+            # may be INFO again if another cluster closed in between.
+            logging.getLogger("distributed").setLevel(logging.ERROR)
+        try:
+            if self.teardown_timeout is None:
+                eng.teardown()
+            else:
+                timed(eng.teardown, self.teardown_timeout)
+        except BaseException as e:  # keep tearing the others down on a second Ctrl-C
+            log(f"note: teardown of {eng.name} failed: {type(e).__name__}: {e}")
+
+    def teardown_all(self) -> None:
+        if self.interrupted and not self.args.verbose:
+            # Futures cut off mid-gather log "Task exception was never retrieved".
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        for eng in list(self.live):
+            log(f"stopping {eng.name} ...", self.args.quiet)
+            self.teardown_one(eng)
+        stop_forkserver(self.forkserver_timeout)
+        for s in reap_children():
+            log(f"warning: killed a leftover child process, {s}")
+        self.load_after = os.getloadavg()
+
+    # -- the run
+
+    def run(self, measure: Callable[[], int]) -> int:
+        """``measure()`` (its exit status), then teardown and every report.
+
+        Ctrl-C (or SIGTERM) stops the measuring with status 130; what was measured
+        by then is still reported.
+        """
+        args = self.args
+        status = 0
+        try:
+            status = measure()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            status = 130
+            log("interrupted; cleaning up and reporting what was measured")
+        finally:
+            self.teardown_all()
+
+        if self.measured():
+            print(self.text_report(), flush=True)
+            if args.markdown:
+                with open(args.markdown, "w") as f:
+                    f.write(self.markdown_report())
+                log(f"wrote {args.markdown}", args.quiet)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(self.json_report(), f, indent=2)
+                f.write("\n")
+            log(f"wrote {args.json}", args.quiet)
+        return status
+
+    # -- reporting
+
+    def machine_line(self) -> str:
+        """When, where, on how many CPUs, which Python, the load before and after."""
+        la = " ".join(f"{v:.2f}" for v in self.load_before)
+        lb = " ".join(f"{v:.2f}" for v in self.load_after) if self.load_after else "?"
+        return (
+            f"{self.started:%Y-%m-%d %H:%M %Z}, {platform.node()}, "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"load average {la} before, {lb} after"
+        )
+
+    def text_report(self) -> str:
+        """The plain-text report: the table, then the targets, if any."""
+        header, rows = self.table("x")
+        out = ["", self.text_title]
+        out += [f"  {line}" for line in self.meta_lines()]
+        out.append(f"  {self.ratio_note}")
+        out.append("")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for r in [header, *rows]:
+            out.append(
+                "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                ).rstrip()
+            )
+        targets = self.target_rows()
+        if targets:
+            out += ["", f"{self.targets_title}:"]
+            w = [max(len(r[i]) for r in targets) for i in range(4)]
+            for r in targets:
+                line = "  ".join(c.ljust(x) for c, x in zip(r, w, strict=True))
+                out.append(f"  {line}".rstrip())
+        return "\n".join(out) + "\n"
+
+    def markdown_report(self) -> str:
+        """The markdown report: the table, then the targets, if any."""
+        header, rows = self.table("×")
+        out = [f"## {self.markdown_title}", ""]
+        out += [f"- {line}" for line in self.meta_lines()]
+        out += [
+            f"- {self.cells_note}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+        ]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        targets = self.target_rows("×")
+        if targets:
+            out += [
+                "",
+                f"### {self.targets_title}",
+                "",
+                "| | measured | target | |",
+                "|---|---:|---:|---|",
+            ]
+            out += ["| " + " | ".join(r) + " |" for r in targets]
+        return "\n".join(out) + "\n"
+
+    def machine_json(self) -> dict[str, Any]:
+        return {
+            "started": self.started.isoformat(),
+            "host": platform.node(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_before": self.load_before,
+            "load_average_after": self.load_after,
+        }
+
+
+def engine_line(eng: Any) -> str:
+    """``name version: note``."""
+    s = f"{eng.name} {eng.version}"
+    if eng.note:
+        s += f": {eng.note}"
+    return s
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def csv_of(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """An argparse ``type``: comma-separated values, each through ``convert``."""
+    return lambda s: [convert(x.strip()) for x in s.split(",") if x.strip()]
+
+
+def add_start_method_option(p: argparse.ArgumentParser) -> None:
+    import multiprocessing
+
+    p.add_argument(
+        "--start-method",
+        default="forkserver",
+        choices=multiprocessing.get_all_start_methods(),
+        help="multiprocessing start method (default forkserver)",
+    )
+
+
+def add_output_options(p: argparse.ArgumentParser, json_help: str) -> None:
+    """``--markdown``, ``--json``, ``--quiet``, ``--verbose``."""
+    p.add_argument("--markdown", metavar="FILE", help="also write a markdown table")
+    p.add_argument("--json", metavar="FILE", help=json_help)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--verbose", action="store_true", help="keep distributed's warnings in the log"
+    )
+
+
+def check_choices(
+    p: argparse.ArgumentParser, values: list[str], choices: Sequence[str], what: str
+) -> None:
+    for v in values:
+        if v not in choices:
+            p.error(f"unknown {what} {v!r}; choose from {', '.join(choices)}")

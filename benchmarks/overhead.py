@@ -32,20 +32,16 @@ See ``benchmarks/README.md`` for what each column means and the noise caveats.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import logging
 import math
 import multiprocessing
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -55,11 +51,23 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
+    CaseTimeout,
+    Harness,
+    add_output_options,
+    add_start_method_option,
     busy,
-    ensure_importable,
+    check_choices,
+    csv_of,
+    engine_line,
+    format_cell,
     format_duration,
+    log,
     median,
     noop,
+    prepare_main,
+    rotated,
+    stop_forkserver,
+    timed,
 )
 
 MODES = ("map", "imap1", "apply_async")
@@ -82,10 +90,6 @@ LATENCY_TARGET_S = 2e-3
 
 class Skip(Exception):
     """The engine is not available here (not installed, not implemented yet)."""
-
-
-class CaseTimeout(Exception):
-    """A single measured call took longer than ``--timeout``."""
 
 
 # --------------------------------------------------------------------------- engines
@@ -340,54 +344,6 @@ def make_engine(name: str, workers: int, start_method: str) -> Engine:
 # --------------------------------------------------------------------------- harness
 
 
-def _on_alarm(signum: int, frame: Any) -> None:
-    raise CaseTimeout
-
-
-def timed(fn: Callable[[], Any], timeout: float) -> tuple[float, Any]:
-    """Run ``fn()``; return (seconds, result). Raise :class:`CaseTimeout` past timeout.
-
-    SIGALRM interrupts the main thread's blocking waits, so a hung engine costs one
-    timeout instead of the whole run.
-    """
-    old = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def log(msg: str, quiet: bool = False) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def stop_forkserver() -> None:
-    """Stop the stdlib forkserver now, so no process outlives the run even briefly.
-
-    Otherwise it only exits on noticing our exit, a moment after we are gone.
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or not hasattr(server, "_stop"):
-        return
-    try:
-        timed(server._stop, 10)
-    except BaseException as e:
-        log(f"note: could not stop the forkserver: {type(e).__name__}: {e}")
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    """``items`` starting at index ``k`` (mod len), so every item gets to go first."""
-    n = len(items)
-    return [items[(i + k) % n] for i in range(n)]
-
-
 def idle_cpu_percent(seconds: float) -> float:
     """CPU used by this process and all its children while we sleep, in % of a core.
 
@@ -416,53 +372,25 @@ def idle_cpu_percent(seconds: float) -> float:
     return 100 * (total() - before) / (time.perf_counter() - t0)
 
 
-def reap_children(grace: float = 10.0) -> list[str]:
-    """Wait for this process's children to exit; kill stragglers; describe them.
+class Benchmark(Harness):
+    teardown_timeout = 60
+    forkserver_timeout = 10
+    text_title = "Framework overhead: elapsed / ideal (1.00 = no overhead)"
+    markdown_title = "Framework overhead"
+    ratio_note = f"(N x) = ratio to {BASELINE} in the same run"
+    cells_note = (
+        f"cells: median elapsed / ideal (1.00 = no overhead); "
+        f"(N×) = ratio to {BASELINE} in the same run"
+    )
+    targets_title = "fiber_dask against the issue-2 targets"
 
-    The forkserver and the resource tracker are left alone: they exit with us.
-    """
-    try:
-        import psutil
-    except ImportError:
-        return []
-    benign = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-
-    def leftovers() -> list[Any]:
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                cmd = " ".join(p.cmdline())
-                if p.status() == psutil.STATUS_ZOMBIE or any(b in cmd for b in benign):
-                    continue
-            except psutil.Error:
-                continue
-            out.append(p)
-        return out
-
-    deadline = time.monotonic() + grace
-    procs = leftovers()
-    while procs and time.monotonic() < deadline:
-        time.sleep(0.2)
-        procs = leftovers()
-    described = []
-    for p in procs:
-        try:
-            described.append(f"pid {p.pid}: {' '.join(p.cmdline())[:100]}")
-            p.kill()
-        except psutil.Error:
-            pass
-    return described
-
-
-class Benchmark:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+        super().__init__(args)
         self.engines: list[Engine] = []  # all requested, in --engines order
         self.prepared: list[Engine] = []  # imported fine
         self.active: list[Engine] = []  # set up, being measured, not failed
         self.live: list[Engine] = []  # setup() attempted, teardown() not yet
         self.skipped: dict[str, str] = {}  # name -> why
-        self.failed: dict[str, str] = {}  # name -> error
         self.startup: dict[str, list[float]] = {}  # one per setup()
         self.idle_cpu: dict[str, float] = {}  # % of one core, whole process tree
         self.latency: dict[str, list[float]] = {}  # per-repeat medians
@@ -470,11 +398,6 @@ class Benchmark:
         self.elapsed: dict[tuple[float, str], dict[str, list[float]]] = {
             c: {} for c in self.cases
         }
-        self.repeats_done = 0
-        self.interrupted = False
-        self.load_before = os.getloadavg()
-        self.load_after: tuple[float, ...] | None = None
-        self.started = datetime.datetime.now().astimezone()
 
     def tasks(self, duration: float) -> int:
         return max(1, round(self.args.ideal * self.args.workers / duration))
@@ -554,7 +477,8 @@ class Benchmark:
                 self.active = []
                 log(f"stopping {eng.name} ...", a.quiet)
                 self.teardown_one(eng)
-                stop_forkserver()  # so that the next multiprocessing startup is cold
+                # So that the next multiprocessing startup is cold.
+                stop_forkserver(self.forkserver_timeout)
             self.repeats_done = r + 1
 
     def run_case(self, eng: Engine, duration: float, mode: str) -> str:
@@ -616,32 +540,9 @@ class Benchmark:
             self.active.remove(eng)
         self.teardown_one(eng)
 
-    def teardown_one(self, eng: Engine) -> None:
-        if eng not in self.live:
-            return
-        self.live.remove(eng)
-        if not self.args.verbose:
-            # A LocalCluster restores the log level it found when it started, which
-            # may be INFO again if another cluster closed in between.
-            logging.getLogger("distributed").setLevel(logging.ERROR)
-        try:
-            timed(eng.teardown, 60)
-        except BaseException as e:  # keep tearing the others down on a second Ctrl-C
-            log(f"note: teardown of {eng.name} failed: {type(e).__name__}: {e}")
-
     def teardown_all(self) -> None:
         self.active = []
-        if self.interrupted and not self.args.verbose:
-            # Futures cut off mid-gather log "Task exception was never retrieved".
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        for eng in list(self.live):
-            log(f"stopping {eng.name} ...", self.args.quiet)
-            self.teardown_one(eng)
-        stop_forkserver()
-        stray = reap_children()
-        for s in stray:
-            log(f"warning: killed a leftover child process, {s}")
-        self.load_after = os.getloadavg()
+        super().teardown_all()
 
     # -- reporting
 
@@ -657,12 +558,8 @@ class Benchmark:
         header = ["case", "tasks", *names]
 
         def cell(value: float, base_value: float | None, fmt: str, name: str) -> str:
-            if math.isnan(value):
-                return "-"
-            s = fmt.format(value)
-            if base_value and name != BASELINE and not math.isnan(base_value):
-                s += f" ({value / base_value:.2f}{x})"
-            return s
+            ratio = base_value and name != BASELINE and not math.isnan(base_value)
+            return format_cell(value, fmt, base_value if ratio else None, x)
 
         rows = []
         for duration, mode in self.cases:
@@ -732,12 +629,8 @@ class Benchmark:
 
     def meta_lines(self) -> list[str]:
         a = self.args
-        la = " ".join(f"{v:.2f}" for v in self.load_before)
-        lb = " ".join(f"{v:.2f}" for v in self.load_after) if self.load_after else "?"
         lines = [
-            f"{self.started:%Y-%m-%d %H:%M %Z}, {platform.node()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"load average {la} before, {lb} after",
+            self.machine_line(),
             f"{a.workers} workers, ideal time {a.ideal:g} s per case, median of "
             f"{self.repeats_done} interleaved repeat(s)"
             + (" (INTERRUPTED)" if self.interrupted else ""),
@@ -754,9 +647,7 @@ class Benchmark:
             if eng.name in self.skipped:
                 lines.append(f"{eng.name}: skipped ({self.skipped[eng.name]})")
                 continue
-            s = f"{eng.name} {eng.version}"
-            if eng.note:
-                s += f": {eng.note}"
+            s = engine_line(eng)
             idle = self.idle_cpu.get(eng.name, float("nan"))
             if not math.isnan(idle):
                 s += f"; {idle:.0f}% of one core while idle"
@@ -765,62 +656,13 @@ class Benchmark:
             lines.append(s)
         return lines
 
-    def text_report(self) -> str:
-        header, rows = self.rows("x")
-        out = ["", "Framework overhead: elapsed / ideal (1.00 = no overhead)"]
-        out += [f"  {line}" for line in self.meta_lines()]
-        out.append(f"  (N x) = ratio to {BASELINE} in the same run")
-        out.append("")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for r in [header, *rows]:
-            out.append(
-                "  ".join(
-                    c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
-                ).rstrip()
-            )
-        targets = self.target_rows()
-        if targets:
-            out += ["", "fiber_dask against the issue-2 targets:"]
-            w = [max(len(r[i]) for r in targets) for i in range(4)]
-            for r in targets:
-                line = "  ".join(c.ljust(x) for c, x in zip(r, w, strict=True))
-                out.append(f"  {line}".rstrip())
-        return "\n".join(out) + "\n"
-
-    def markdown_report(self) -> str:
-        header, rows = self.rows("×")
-        out = ["## Framework overhead", ""]
-        out += [f"- {line}" for line in self.meta_lines()]
-        out += [
-            f"- cells: median elapsed / ideal (1.00 = no overhead); "
-            f"(N×) = ratio to {BASELINE} in the same run",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        ]
-        out += ["| " + " | ".join(r) + " |" for r in rows]
-        targets = self.target_rows("×")
-        if targets:
-            out += [
-                "",
-                "### fiber_dask against the issue-2 targets",
-                "",
-                "| | measured | target | |",
-                "|---|---:|---:|---|",
-            ]
-            out += ["| " + " | ".join(r) + " |" for r in targets]
-        return "\n".join(out) + "\n"
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
+        return self.rows(x)
 
     def json_report(self) -> dict[str, Any]:
         a = self.args
         return {
-            "started": self.started.isoformat(),
-            "host": platform.node(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average_before": self.load_before,
-            "load_average_after": self.load_after,
+            **self.machine_json(),
             "workers": a.workers,
             "ideal_s": a.ideal,
             "repeats_done": self.repeats_done,
@@ -855,10 +697,6 @@ class Benchmark:
 # --------------------------------------------------------------------------- CLI
 
 
-def _csv(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    return lambda s: [convert(x.strip()) for x in s.split(",") if x.strip()]
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -875,13 +713,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--durations",
-        type=_csv(float),
+        type=csv_of(float),
         default=None,
         help="task durations in seconds (default 1,0.1,0.01,0.001; --quick 0.01,0.001)",
     )
     p.add_argument(
         "--modes",
-        type=_csv(str),
+        type=csv_of(str),
         default=list(MODES),
         help=f"comma-separated (default {','.join(MODES)})",
     )
@@ -890,7 +728,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--engines",
-        type=_csv(str),
+        type=csv_of(str),
         default=list(ENGINE_NAMES),
         help=f"comma-separated (default {','.join(ENGINE_NAMES)}); "
         "the unavailable ones are skipped with a note",
@@ -900,12 +738,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="ideal 1 s, 2 repeats, durations 0.01,0.001 (explicit flags win)",
     )
-    p.add_argument(
-        "--start-method",
-        default="forkserver",
-        choices=multiprocessing.get_all_start_methods(),
-        help="multiprocessing start method (default forkserver)",
-    )
+    add_start_method_option(p)
     p.add_argument(
         "--latency-calls",
         type=int,
@@ -932,12 +765,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=3.0,
         help="seconds to measure the idle engines' background CPU (default 3; 0 skips)",
     )
-    p.add_argument("--markdown", metavar="FILE", help="also write a markdown table")
-    p.add_argument("--json", metavar="FILE", help="also write every raw timing as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument(
-        "--verbose", action="store_true", help="keep distributed's warnings in the log"
-    )
+    add_output_options(p, "also write every raw timing as JSON")
     a = p.parse_args(argv)
     if a.ideal is None:
         a.ideal = 1.0 if a.quick else 2.0
@@ -945,12 +773,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.repeats = 2 if a.quick else 3
     if a.durations is None:
         a.durations = [0.01, 0.001] if a.quick else [1.0, 0.1, 0.01, 0.001]
-    for name in a.engines:
-        if name not in ENGINE_NAMES:
-            p.error(f"unknown engine {name!r}; choose from {', '.join(ENGINE_NAMES)}")
-    for mode in a.modes:
-        if mode not in MODES:
-            p.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    check_choices(p, a.modes, MODES, "mode")
     if a.workers < 1 or a.repeats < 1 or a.ideal <= 0 or a.latency_calls < 1:
         p.error("--workers, --repeats, --latency-calls must be >= 1 and --ideal > 0")
     if any(d <= 0 for d in a.durations):
@@ -961,20 +785,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    ensure_importable()
-    if not args.verbose:
-        # Shutdown chatter ("Stream is closed", ...) from the in-process nannies.
-        logging.getLogger("distributed").setLevel(logging.ERROR)
-
-    # A plain `kill` should clean up as well as Ctrl-C does.
-    def _on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_term)
-
+    prepare_main(args)
     bench = Benchmark(args)
-    status = 0
-    try:
+
+    def measure() -> int:
         bench.prepare_engines()
         if args.isolate:
             bench.measure_isolated()
@@ -982,25 +796,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.measure_shared()
         if not bench.measured():
             log("error: no engine could be started")
-            status = 1
-    except KeyboardInterrupt:
-        bench.interrupted = True
-        status = 130
-        log("interrupted; cleaning up and reporting what was measured")
-    finally:
-        bench.teardown_all()
+            return 1
+        return 0
 
-    if bench.measured():
-        print(bench.text_report(), flush=True)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(bench.markdown_report())
-            log(f"wrote {args.markdown}", args.quiet)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(bench.json_report(), f, indent=2)
-            f.write("\n")
-        log(f"wrote {args.json}", args.quiet)
+    status = bench.run(measure)
     if bench.failed and status == 0:
         status = 2
     return status

@@ -42,17 +42,13 @@ standard library.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import logging
 import math
 import multiprocessing
 import os
 import platform
 import queue as stdqueue
 import re
-import signal
 import sys
 import threading
 import time
@@ -64,7 +60,19 @@ if __package__ in (None, ""):
     # be importable as ``benchmarks.queues`` (here and in every child process).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import ensure_importable, median  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Harness,
+    add_output_options,
+    add_start_method_option,
+    check_choices,
+    csv_of,
+    engine_line,
+    format_cell,
+    log,
+    median,
+    prepare_main,
+    rotated,
+)
 
 ENGINE_NAMES = ("multiprocessing", "fiber_dask")
 BASELINE = "multiprocessing"
@@ -343,67 +351,11 @@ def make_engine(name: str, workers: int, start_method: str) -> Engine:
 # ---------------------------------------------------------------- harness
 
 
-def log(msg: str, quiet: bool = False) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    n = len(items)
-    return [items[(i + k) % n] for i in range(n)]
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def stop_forkserver() -> None:
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    if server is not None and hasattr(server, "_stop"):
-        try:
-            server._stop()
-        except Exception as e:
-            log(f"note: could not stop the forkserver: {type(e).__name__}: {e}")
-
-
-def reap_children(grace: float = 10.0) -> list[str]:
-    """Wait for our children to exit, kill stragglers, describe them."""
-    try:
-        import psutil
-    except ImportError:
-        return []
-    benign = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-
-    def leftovers() -> list[Any]:
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                cmd = " ".join(p.cmdline())
-                if p.status() == psutil.STATUS_ZOMBIE or any(b in cmd for b in benign):
-                    continue
-            except psutil.Error:
-                continue
-            out.append(p)
-        return out
-
-    deadline = time.monotonic() + grace
-    procs = leftovers()
-    while procs and time.monotonic() < deadline:
-        time.sleep(0.2)
-        procs = leftovers()
-    described = []
-    for p in procs:
-        try:
-            described.append(f"pid {p.pid}: {' '.join(p.cmdline())[:100]}")
-            p.kill()
-        except psutil.Error:
-            pass
-    return described
 
 
 class Run:
@@ -477,21 +429,25 @@ ROWS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
-class Benchmark:
+class Benchmark(Harness):
+    text_title = "Queues, Pipes, Processes: medians over interleaved repeats"
+    markdown_title = "Queues, Pipes and Processes"
+    ratio_note = f"(N x) = fiber_dask / {BASELINE} in the same run"
+    cells_note = (
+        f"cells: medians over the repeats; (N×) = fiber_dask ÷ {BASELINE} in "
+        "the same run (items/s and MB/s: higher is better; ms, s and × size: "
+        "lower is better)"
+    )
+    targets_title = "fiber_dask against the issue's targets"
+
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+        super().__init__(args)
         self.engines: list[Engine] = []
         self.live: list[Engine] = []
-        self.failed: dict[str, str] = {}  # engine -> first error
         self.case_errors: list[str] = []
         self.values: dict[str, dict[str, list[float]]] = {}  # metric -> eng -> reps
         self.cold_start: dict[str, float] = {}
         self.placement: dict[str, list[bool]] = {}  # fiber: on different workers?
-        self.repeats_done = 0
-        self.interrupted = False
-        self.load_before = os.getloadavg()
-        self.load_after: tuple[float, ...] | None = None
-        self.started = datetime.datetime.now().astimezone()
         self.command = "python " + " ".join(
             [os.path.relpath(sys.argv[0]) if sys.argv else "benchmarks/queues.py"]
             + sys.argv[1:]
@@ -664,30 +620,6 @@ class Benchmark:
         if wp and wc:
             self.placement.setdefault(eng.name, []).append(wp != wc)
 
-    # -- teardown
-
-    def teardown_one(self, eng: Engine) -> None:
-        if eng not in self.live:
-            return
-        self.live.remove(eng)
-        if not self.args.verbose:
-            logging.getLogger("distributed").setLevel(logging.ERROR)
-        try:
-            eng.teardown()
-        except BaseException as e:
-            log(f"note: teardown of {eng.name} failed: {type(e).__name__}: {e}")
-
-    def teardown_all(self) -> None:
-        if self.interrupted and not self.args.verbose:
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        for eng in list(self.live):
-            log(f"stopping {eng.name} ...", self.args.quiet)
-            self.teardown_one(eng)
-        stop_forkserver()
-        for s in reap_children():
-            log(f"warning: killed a leftover child process, {s}")
-        self.load_after = os.getloadavg()
-
     # -- reporting
 
     def measured(self) -> list[str]:
@@ -706,19 +638,15 @@ class Benchmark:
         header = ["case", *names]
 
         def cell(value: float, base_value: float, fmt: str, name: str) -> str:
-            if math.isnan(value):
-                return "-"
-            s = fmt.format(value)
-            if (
+            ratio = (
                 base
                 and name != BASELINE
                 and base_value > 0
                 and not math.isnan(base_value)
-            ):
                 # tiny baselines (the stdlib parent never holds the item) say nothing
-                if not (fmt == "{:.2f}" and base_value < 0.05):
-                    s += f" ({value / base_value:.2f}{x})"
-            return s
+                and not (fmt == "{:.2f}" and base_value < 0.05)
+            )
+            return format_cell(value, fmt, base_value if ratio else None, x)
 
         out = []
         for case in self.args.cases:
@@ -808,13 +736,9 @@ class Benchmark:
 
     def meta_lines(self) -> list[str]:
         a = self.args
-        la = " ".join(f"{v:.2f}" for v in self.load_before)
-        lb = " ".join(f"{v:.2f}" for v in self.load_after) if self.load_after else "?"
         lines = [
             f"command: `{self.command}`",
-            f"{self.started:%Y-%m-%d %H:%M %Z}, {platform.node()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"load average {la} before, {lb} after",
+            self.machine_line(),
             f"median of {self.repeats_done} interleaved repeat(s)"
             + (" (INTERRUPTED)" if self.interrupted else "")
             + f"; {a.items:,} ints, {a.pings:,} ping-pongs, {a.payloads} x "
@@ -822,9 +746,7 @@ class Benchmark:
             f"{a.starts} starts per repeat",
         ]
         for eng in self.engines:
-            s = f"{eng.name} {eng.version}"
-            if eng.note:
-                s += f": {eng.note}"
+            s = engine_line(eng)
             pl = self.placement.get(eng.name)
             if pl:
                 s += (
@@ -837,63 +759,13 @@ class Benchmark:
         lines += [f"error: {e}" for e in self.case_errors]
         return lines
 
-    def text_report(self) -> str:
-        header, rows = self.rows("x", "->")
-        out = ["", "Queues, Pipes, Processes: medians over interleaved repeats"]
-        out += [f"  {line}" for line in self.meta_lines()]
-        out.append(f"  (N x) = fiber_dask / {BASELINE} in the same run")
-        out.append("")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for r in [header, *rows]:
-            out.append(
-                "  ".join(
-                    c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
-                ).rstrip()
-            )
-        targets = self.target_rows()
-        if targets:
-            out += ["", "fiber_dask against the issue's targets:"]
-            w = [max(len(r[i]) for r in targets) for i in range(4)]
-            for r in targets:
-                line = "  ".join(c.ljust(x) for c, x in zip(r, w, strict=True))
-                out.append(f"  {line}".rstrip())
-        return "\n".join(out) + "\n"
-
-    def markdown_report(self) -> str:
-        header, rows = self.rows("×", "→")
-        out = ["## Queues, Pipes and Processes", ""]
-        out += [f"- {line}" for line in self.meta_lines()]
-        out += [
-            f"- cells: medians over the repeats; (N×) = fiber_dask ÷ {BASELINE} in "
-            "the same run (items/s and MB/s: higher is better; ms, s and × size: "
-            "lower is better)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        ]
-        out += ["| " + " | ".join(r) + " |" for r in rows]
-        targets = self.target_rows("×")
-        if targets:
-            out += [
-                "",
-                "### fiber_dask against the issue's targets",
-                "",
-                "| | measured | target | |",
-                "|---|---:|---:|---|",
-            ]
-            out += ["| " + " | ".join(r) + " |" for r in targets]
-        return "\n".join(out) + "\n"
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
+        return self.rows(x, "->" if x == "x" else "→")
 
     def json_report(self) -> dict[str, Any]:
         return {
             "command": self.command,
-            "started": self.started.isoformat(),
-            "host": platform.node(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average_before": self.load_before,
-            "load_average_after": self.load_after,
+            **self.machine_json(),
             "args": {k: v for k, v in vars(self.args).items()},
             "repeats_done": self.repeats_done,
             "interrupted": self.interrupted,
@@ -913,10 +785,6 @@ class Benchmark:
 
 
 # --------------------------------------------------------------------------- CLI
-
-
-def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -972,13 +840,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cases",
-        type=_csv,
+        type=csv_of(str),
         default=list(CASES),
         help=f"comma-separated (default {','.join(CASES)})",
     )
     p.add_argument(
         "--engines",
-        type=_csv,
+        type=csv_of(str),
         default=list(ENGINE_NAMES),
         help=f"comma-separated (default {','.join(ENGINE_NAMES)})",
     )
@@ -987,24 +855,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="2 repeats and smaller counts (explicit flags win)",
     )
-    p.add_argument(
-        "--start-method",
-        default="forkserver",
-        choices=multiprocessing.get_all_start_methods(),
-        help="multiprocessing start method (default forkserver)",
-    )
+    add_start_method_option(p)
     p.add_argument(
         "--timeout",
         type=float,
         default=120.0,
         help="seconds one case may take before it counts as failed (default 120)",
     )
-    p.add_argument("--markdown", metavar="FILE", help="also write a markdown table")
-    p.add_argument("--json", metavar="FILE", help="also write every raw value as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument(
-        "--verbose", action="store_true", help="keep distributed's warnings in the log"
-    )
+    add_output_options(p, "also write every raw value as JSON")
     a = p.parse_args(argv)
     q = a.quick
     a.repeats = a.repeats or (2 if q else 3)
@@ -1012,12 +870,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a.pings = a.pings or (500 if q else 2000)
     a.payloads = a.payloads or (10 if q else 20)
     a.starts = a.starts or (5 if q else 10)
-    for name in a.engines:
-        if name not in ENGINE_NAMES:
-            p.error(f"unknown engine {name!r}; choose from {', '.join(ENGINE_NAMES)}")
-    for case in a.cases:
-        if case not in CASES:
-            p.error(f"unknown case {case!r}; choose from {', '.join(CASES)}")
+    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    check_choices(p, a.cases, CASES, "case")
     if (
         min(a.repeats, a.items, a.pings, a.payloads, a.starts, a.workers) < 1
         or min(a.payload_mb, a.big_mb) <= 0
@@ -1032,42 +886,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    ensure_importable()
-    if not args.verbose:
-        logging.getLogger("distributed").setLevel(logging.ERROR)
-
-    def _on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_term)
-
+    prepare_main(args)
     bench = Benchmark(args)
-    status = 0
-    try:
+
+    def measure() -> int:
         active = bench.prepare_and_start()
         if not active:
             log("error: no engine could be started")
-            status = 1
-        else:
-            bench.measure(active)
-    except KeyboardInterrupt:
-        bench.interrupted = True
-        status = 130
-        log("interrupted; cleaning up and reporting what was measured")
-    finally:
-        bench.teardown_all()
+            return 1
+        bench.measure(active)
+        return 0
 
-    if bench.measured():
-        print(bench.text_report(), flush=True)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(bench.markdown_report())
-            log(f"wrote {args.markdown}", args.quiet)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(bench.json_report(), f, indent=2)
-            f.write("\n")
-        log(f"wrote {args.json}", args.quiet)
+    status = bench.run(measure)
     if (bench.failed or bench.case_errors) and status == 0:
         status = 2
     return status
