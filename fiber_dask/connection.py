@@ -180,7 +180,7 @@ class Connection:
         if not isinstance(target, Remote):
             return target.recv(self._end)
         blob = target.call("recv", self._end)
-        target.send_raw(b"A")  # received: from now on ours
+        target.ack()  # received: from now on ours
         return blob
 
     def _check_closed(self) -> None:

@@ -40,7 +40,7 @@ from .objserver import (
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 
 
-_LEASE = 64  # items a fast remote consumer takes per round trip
+_LEASE = 256  # items a fast remote consumer takes per round trip
 _BATCH_LIMIT = 64 * 1024  # a put this big is sent alone, not batched
 _LEASE_IDLE = 0.02  # seconds unread leased items stay with an idle consumer
 
@@ -371,7 +371,7 @@ class Queue:
                 if len(self._buffer) > 1:
                     _reaper.watch(self)
             blob = self._buffer.popleft()
-            target.send_raw(b"A")  # taken: from now on ours, as in the stdlib
+            target.ack(bool(self._buffer))  # taken: ours now, as in the stdlib
             self._last_get = time.monotonic()
         return pickle.loads(blob)
 

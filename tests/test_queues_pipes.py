@@ -405,3 +405,25 @@ def test_feeder_threads_end_with_their_queue_handles(fiber_ctx):
         assert sorted(q.get(timeout=10) for _ in range(30)) == list(range(30))
         time.sleep(2.5)  # handles are garbage; their feeders notice within 1 s
         assert pool.apply(_feeder_threads) <= 2
+
+
+def _take_three_then_idle(q):
+    got = [q.get(timeout=10) for _ in range(3)]  # fast: the later gets lease
+    time.sleep(3)  # idle, still holding the handle and its lease
+    return got
+
+
+def test_an_idle_consumer_gives_back_its_lease(fiber_ctx):
+    q = fiber_ctx.Queue()
+    for i in range(500):
+        q.put(i)
+    with fiber_ctx.Pool(1) as pool:
+        res = pool.apply_async(_take_three_then_idle, (q,))
+        deadline = time.monotonic() + 30
+        while q.qsize() == 500 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The owner gets the other 497 while the consumer idles with its lease.
+        mine = [q.get(timeout=2) for _ in range(497)]
+        theirs = res.get(timeout=30)
+    assert sorted(mine + theirs) == list(range(500))
+    assert theirs == sorted(theirs)
