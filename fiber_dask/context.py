@@ -17,11 +17,6 @@ __all__ = ["DaskContext", "get_context", "default_context"]
 
 _PLANNED = {
     "Manager": "issue #4 (managers and synchronization)",
-    "Lock": "issue #4 (managers and synchronization)",
-    "RLock": "issue #4 (managers and synchronization)",
-    "Semaphore": "issue #4 (managers and synchronization)",
-    "BoundedSemaphore": "issue #4 (managers and synchronization)",
-    "Event": "issue #4 (managers and synchronization)",
     "Condition": "issue #4 (managers and synchronization)",
     "Barrier": "issue #4 (managers and synchronization)",
     "Value": "issue #4 (managers and synchronization)",
@@ -97,6 +92,36 @@ class DaskContext:
         from .connection import Pipe
 
         return Pipe(duplex)
+
+    def Lock(self) -> Any:  # noqa: N802
+        """Returns a lock usable from any process of the cluster."""
+        from .synchronize import Lock
+
+        return Lock(ctx=self)
+
+    def RLock(self) -> Any:  # noqa: N802
+        """Returns a recursive lock usable from any process of the cluster."""
+        from .synchronize import RLock
+
+        return RLock(ctx=self)
+
+    def Semaphore(self, value: int = 1) -> Any:  # noqa: N802
+        """Returns a semaphore usable from any process of the cluster."""
+        from .synchronize import Semaphore
+
+        return Semaphore(value, ctx=self)
+
+    def BoundedSemaphore(self, value: int = 1) -> Any:  # noqa: N802
+        """Returns a bounded semaphore usable from any process of the cluster."""
+        from .synchronize import BoundedSemaphore
+
+        return BoundedSemaphore(value, ctx=self)
+
+    def Event(self) -> Any:  # noqa: N802
+        """Returns an event usable from any process of the cluster."""
+        from .synchronize import Event
+
+        return Event(ctx=self)
 
     def ThreadPool(self, processes=None, initializer=None, initargs=()):  # noqa: N802
         """The stdlib's ThreadPool: threads of this process, sharing its memory."""

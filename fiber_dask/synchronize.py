@@ -1,0 +1,281 @@
+"""Lock, RLock, Semaphore, BoundedSemaphore and Event that work across the cluster.
+
+Like a Queue, each lives in the process that created it (see ``objserver``);
+other processes acquire and release it over the authenticated channel.  Beyond
+the stdlib: what a process holds when it dies (its connection drops) is
+released, so a killed worker cannot deadlock everyone else.
+
+Not implemented yet: ``Condition`` and ``Barrier`` (they raise
+``NotImplementedError`` from the top-level factories).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+from .objserver import (
+    Remote,
+    ServedObject,
+    get_object_server,
+    keep_until_unused,
+    resolve,
+)
+
+__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event"]
+
+_OWNER = "owner"  # session key of acquisitions made in the owning process
+
+
+_HOST = socket.gethostname()
+
+
+def _me() -> tuple:
+    """Who holds an RLock: this thread of this process on this host."""
+    return (_HOST, os.getpid(), threading.get_ident())
+
+
+class _SemState(ServedObject):
+    """A counting semaphore; ``maxvalue`` bounds releases, ``recursive`` makes
+    it an RLock (owner-reentrant)."""
+
+    def __init__(self, value: int, maxvalue: int | None, recursive: bool) -> None:
+        self.value = value
+        self.maxvalue = maxvalue
+        self.recursive = recursive
+        self.cond = threading.Condition()
+        self.owner: tuple | None = None  # RLock: (host pid, thread) holding it
+        self.count = 0  # RLock recursion depth
+        self.held: dict[Any, int] = {}  # session -> acquisitions not released
+
+    def acquire(
+        self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
+    ) -> bool:
+        with self.cond:
+            if self.recursive and self.owner == who:
+                self.count += 1
+                return True
+            if not block:
+                timeout = 0
+            if timeout is not None and timeout < 0:
+                timeout = 0
+            if not self.cond.wait_for(lambda: self.value > 0, timeout):
+                return False
+            self.value -= 1
+            if self.recursive:
+                self.owner, self.count = who, 1
+            self.held[sid] = self.held.get(sid, 0) + 1
+            return True
+
+    def release(self, who: tuple, sid: Any = _OWNER) -> None:
+        with self.cond:
+            if self.recursive:
+                if self.owner != who:
+                    raise AssertionError(
+                        "attempt to release recursive lock not owned by thread"
+                    )
+                self.count -= 1
+                if self.count:
+                    return
+                self.owner = None
+            elif self.maxvalue is not None and self.value >= self.maxvalue:
+                raise ValueError("semaphore or lock released too many times")
+            self._forget(sid)
+            self.value += 1
+            self.cond.notify()
+
+    def _forget(self, sid: Any) -> None:
+        # A Lock may be released by another process than the one that took
+        # it: count the release against the releaser's acquisitions, or
+        # else against anyone's.
+        if self.held.get(sid):
+            key = sid
+        else:
+            key = next((k for k, n in self.held.items() if n), None)
+        if key is not None:
+            self.held[key] -= 1
+
+    def get_value(self) -> int:
+        with self.cond:
+            return self.value
+
+    def is_mine(self, who: tuple) -> bool:
+        with self.cond:
+            return self.owner == who
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        sid = session.setdefault("id", object())
+        if op == "acquire":
+            return self.acquire(*args, sid)
+        if op == "release":
+            return self.release(*args, sid)
+        if op in ("get_value", "is_mine"):
+            return getattr(self, op)(*args)
+        raise ValueError(f"unknown semaphore operation {op!r}")
+
+    def disconnected(self, session: dict) -> None:
+        sid = session.get("id")
+        with self.cond:
+            n = self.held.pop(sid, 0)
+            if n <= 0:
+                return
+            # Its holder died: release what it held, instead of a deadlock.
+            if self.recursive:
+                self.owner, self.count = None, 0
+            self.value += n
+            self.cond.notify(n)
+
+
+class _Served:
+    """Common handle code: local state in the owner, a Remote elsewhere."""
+
+    _state: Any
+
+    def _create(self, state: ServedObject) -> None:
+        server = get_object_server()
+        oid = server.add(state)
+        self._ref = (server.address, server.authkey, oid)
+        self._target = state
+        keep_until_unused(state, self, oid)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._ref))
+
+    def _call(self, op: str, *args: Any) -> Any:
+        target = self._target
+        if isinstance(target, Remote):
+            return target.call(op, *args)
+        return getattr(target, op)(*args)
+
+
+def _rebuild(cls: type, ref: tuple) -> Any:
+    obj = cls.__new__(cls)
+    obj._ref = ref
+    obj._target = resolve(*ref)
+    return obj
+
+
+class Semaphore(_Served):
+    """``multiprocessing.Semaphore`` usable from any process of the cluster."""
+
+    _maxvalue_of_value = False
+    _recursive = False
+
+    def __init__(self, value: int = 1, *, ctx: Any = None) -> None:
+        if value < 0:
+            raise ValueError("semaphore initial value must be >= 0")
+        self._create(
+            _SemState(
+                value, value if self._maxvalue_of_value else None, self._recursive
+            )
+        )
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        """Take one unit; ``False`` if none came within ``timeout`` s."""
+        return self._call("acquire", block, timeout, _me())
+
+    def release(self) -> None:
+        """Give one unit back (any process may)."""
+        self._call("release", _me())
+
+    def get_value(self) -> int:
+        return self._call("get_value")
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        try:
+            value = self.get_value()
+        except Exception:
+            value = "unknown"
+        return f"<{type(self).__name__}(value={value})>"
+
+
+class BoundedSemaphore(Semaphore):
+    """``multiprocessing.BoundedSemaphore``: releasing past the initial value is
+    a ``ValueError``."""
+
+    _maxvalue_of_value = True
+
+
+class Lock(Semaphore):
+    """``multiprocessing.Lock``: any process may release it, as in the stdlib."""
+
+    _maxvalue_of_value = True
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        super().__init__(1, ctx=ctx)
+
+    def __repr__(self) -> str:
+        try:
+            state = "unlocked" if self.get_value() else "locked"
+        except Exception:
+            state = "unknown"
+        return f"<Lock({state})>"
+
+
+class RLock(Semaphore):
+    """``multiprocessing.RLock``: reentrant for the thread that holds it."""
+
+    _recursive = True
+    _maxvalue_of_value = True
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        super().__init__(1, ctx=ctx)
+
+    def _is_owned(self) -> bool:
+        return self._call("is_mine", _me())
+
+
+class _EventState(ServedObject):
+    def __init__(self) -> None:
+        self.flag = False
+        self.cond = threading.Condition()
+
+    def is_set(self) -> bool:
+        with self.cond:
+            return self.flag
+
+    def set(self) -> None:
+        with self.cond:
+            self.flag = True
+            self.cond.notify_all()
+
+    def clear(self) -> None:
+        with self.cond:
+            self.flag = False
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.flag, timeout)
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        if op in ("is_set", "set", "clear", "wait"):
+            return getattr(self, op)(*args)
+        raise ValueError(f"unknown event operation {op!r}")
+
+
+class Event(_Served):
+    """``multiprocessing.Event`` usable from any process of the cluster."""
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._create(_EventState())
+
+    def is_set(self) -> bool:
+        return self._call("is_set")
+
+    def set(self) -> None:
+        self._call("set")
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set; returns the flag (False after a timeout)."""
+        return self._call("wait", timeout)

@@ -1,0 +1,154 @@
+"""Lock, RLock, Semaphore, BoundedSemaphore and Event: stdlib oracle and fiber_dask,
+then across processes, and a holder killed while it holds a lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_lock_acquire_release_and_timeout(ctx):
+    lock = ctx.Lock()
+    assert lock.acquire()
+    assert lock.acquire(False) is False
+    t0 = time.monotonic()
+    assert lock.acquire(timeout=0.3) is False
+    assert time.monotonic() - t0 >= 0.25
+    lock.release()
+    with pytest.raises(ValueError):
+        lock.release()
+    with lock:
+        assert lock.acquire(block=False) is False
+    assert lock.acquire(block=False)
+    lock.release()
+
+
+def test_lock_released_by_another_thread(ctx):
+    lock = ctx.Lock()
+    lock.acquire()
+    t = threading.Thread(target=lock.release)
+    t.start()
+    t.join()
+    assert lock.acquire(timeout=5)
+    lock.release()
+
+
+def test_rlock_is_owner_reentrant(ctx):
+    rlock = ctx.RLock()
+    assert rlock.acquire()
+    assert rlock.acquire()
+    errors = []
+
+    def other():
+        errors.append(rlock.acquire(timeout=0.2))
+        try:
+            rlock.release()
+        except AssertionError:
+            errors.append("assert")
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors == [False, "assert"]
+    rlock.release()
+    rlock.release()
+    with pytest.raises(AssertionError):
+        rlock.release()
+
+
+def test_semaphore_counts(ctx):
+    sem = ctx.Semaphore(2)
+    assert sem.acquire() and sem.acquire()
+    assert sem.acquire(timeout=0.1) is False
+    sem.release()
+    sem.release()
+    sem.release()  # unbounded: allowed
+    assert sem.get_value() == 3
+
+
+def test_bounded_semaphore_refuses_over_release(ctx):
+    sem = ctx.BoundedSemaphore(1)
+    sem.acquire()
+    sem.release()
+    with pytest.raises(ValueError):
+        sem.release()
+
+
+def test_event(ctx):
+    ev = ctx.Event()
+    assert not ev.is_set()
+    assert ev.wait(0.1) is False
+    threading.Timer(0.2, ev.set).start()
+    assert ev.wait(10) is True
+    assert ev.is_set()
+    ev.clear()
+    assert not ev.is_set()
+
+
+def critical(lock, path, n):
+    # Written straight to a file (not through a queue, whose puts are sent
+    # asynchronously): the file's order is the order things happened.
+    for _ in range(n):
+        with lock:
+            with open(path, "a") as f:
+                f.write(f"in {os.getpid()}\n")
+            time.sleep(0.001)
+            with open(path, "a") as f:
+                f.write(f"out {os.getpid()}\n")
+
+
+def test_lock_excludes_across_processes(ctx, tmp_path):
+    lock = ctx.Lock()
+    path = str(tmp_path / "log")
+    procs = [ctx.Process(target=critical, args=(lock, path, 20)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    with open(path) as f:
+        events = [line.split() for line in f]
+    assert len(events) == 3 * 20 * 2
+    # Every "in" is followed by the same process's "out": no interleaving.
+    for enter, leave in zip(events[::2], events[1::2], strict=True):
+        assert enter[0] == "in" and leave == ["out", enter[1]]
+
+
+def wait_then_report(ev, q):
+    q.put(ev.wait(30))
+
+
+def test_event_wakes_a_child(ctx):
+    ev, q = ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=wait_then_report, args=(ev, q))
+    p.start()
+    time.sleep(0.3)
+    ev.set()
+    assert q.get(timeout=30) is True
+    p.join(30)
+
+
+def hold_forever(lock, q):
+    lock.acquire()
+    q.put(os.getpid())
+    time.sleep(600)
+
+
+def test_fiber_lock_of_a_killed_holder_is_released(fiber_ctx):
+    lock, q = fiber_ctx.Lock(), fiber_ctx.Queue()
+    p = fiber_ctx.Process(target=hold_forever, args=(lock, q))
+    p.start()
+    pid = q.get(timeout=30)
+    assert lock.acquire(timeout=0.3) is False  # really held
+    os.kill(pid, signal.SIGKILL)
+    p.join(30)
+    t0 = time.monotonic()
+    assert lock.acquire(timeout=20)  # released with its dead holder
+    assert time.monotonic() - t0 < 20
+    lock.release()
