@@ -17,7 +17,6 @@ __all__ = ["DaskContext", "get_context", "default_context"]
 
 _PLANNED = {
     "Manager": "issue #4 (managers and synchronization)",
-    "Condition": "issue #4 (managers and synchronization)",
     "Barrier": "issue #4 (managers and synchronization)",
     "Value": "issue #4 (managers and synchronization)",
     "Array": "issue #4 (managers and synchronization)",
@@ -116,6 +115,12 @@ class DaskContext:
         from .synchronize import BoundedSemaphore
 
         return BoundedSemaphore(value, ctx=self)
+
+    def Condition(self, lock: Any = None) -> Any:  # noqa: N802
+        """Returns a condition variable usable from any process of the cluster."""
+        from .synchronize import Condition
+
+        return Condition(lock, ctx=self)
 
     def Event(self) -> Any:  # noqa: N802
         """Returns an event usable from any process of the cluster."""

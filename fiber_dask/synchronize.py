@@ -5,8 +5,8 @@ other processes acquire and release it over the authenticated channel.  Beyond
 the stdlib: what a process holds when it dies (its connection drops) is
 released, so a killed worker cannot deadlock everyone else.
 
-Not implemented yet: ``Condition`` and ``Barrier`` (they raise
-``NotImplementedError`` from the top-level factories).
+Not implemented yet: ``Barrier``, and ``Condition(lock)`` with a lock of the
+caller's (both raise ``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .objserver import (
     resolve,
 )
 
-__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event"]
+__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition"]
 
 _OWNER = "owner"  # session key of acquisitions made in the owning process
 
@@ -84,7 +84,9 @@ class _SemState(ServedObject):
                 raise ValueError("semaphore or lock released too many times")
             self._forget(sid)
             self.value += 1
-            self.cond.notify()
+            # notify_all: a Condition shares this mutex with its waiters, whose
+            # predicates differ; one notify could wake the wrong thread.
+            self.cond.notify_all()
 
     def _forget(self, sid: Any) -> None:
         # A Lock may be released by another process than the one that took
@@ -125,7 +127,7 @@ class _SemState(ServedObject):
             if self.recursive:
                 self.owner, self.count = None, 0
             self.value += n
-            self.cond.notify(n)
+            self.cond.notify_all()
 
 
 class _Served:
@@ -279,3 +281,120 @@ class Event(_Served):
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until set; returns the flag (False after a timeout)."""
         return self._call("wait", timeout)
+
+
+class _ConditionState(ServedObject):
+    """A condition variable with its own recursive lock, in one place."""
+
+    def __init__(self) -> None:
+        self.lock = _SemState(1, 1, recursive=True)
+        self.cond = self.lock.cond  # one mutex guards the lock and the waiters
+        self.generation = 0
+        self.waiters: list[list[bool]] = []
+
+    def acquire(
+        self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
+    ) -> bool:
+        return self.lock.acquire(block, timeout, who, sid)
+
+    def release(self, who: tuple, sid: Any = _OWNER) -> None:
+        self.lock.release(who, sid)
+
+    def is_mine(self, who: tuple) -> bool:
+        return self.lock.is_mine(who)
+
+    def wait(self, timeout: float | None, who: tuple, sid: Any = _OWNER) -> bool:
+        with self.cond:
+            if self.lock.owner != who:
+                raise AssertionError("must acquire() condition before using wait()")
+            count = self.lock.count
+            ticket = [False]
+            self.waiters.append(ticket)
+            # Release the lock entirely (whatever its recursion depth).
+            self.lock.owner, self.lock.count = None, 0
+            self.lock._forget(sid)
+            self.lock.value += 1
+            self.cond.notify_all()
+            notified = self.cond.wait_for(lambda: ticket[0], timeout)
+            if not notified:
+                self.waiters.remove(ticket)
+            # Take the lock back, as threading.Condition does, however long.
+            self.cond.wait_for(lambda: self.lock.value > 0)
+            self.lock.value -= 1
+            self.lock.owner, self.lock.count = who, count
+            self.lock.held[sid] = self.lock.held.get(sid, 0) + 1
+            return notified
+
+    def notify(self, n: int, who: tuple) -> None:
+        with self.cond:
+            if self.lock.owner != who:
+                raise AssertionError("lock is not owned")
+            for ticket in self.waiters[:n]:
+                ticket[0] = True
+            del self.waiters[:n]
+            self.cond.notify_all()
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        sid = session.setdefault("id", object())
+        if op in ("acquire", "release", "wait"):
+            return getattr(self, op)(*args, sid)
+        if op in ("notify", "is_mine"):
+            return getattr(self, op)(*args)
+        raise ValueError(f"unknown condition operation {op!r}")
+
+    def disconnected(self, session: dict) -> None:
+        self.lock.disconnected(session)
+
+
+class Condition(_Served):
+    """``multiprocessing.Condition`` usable from any process of the cluster.
+
+    Only ``Condition()`` with its own (recursive) lock: passing a lock is not
+    implemented yet and raises ``NotImplementedError``.
+    """
+
+    def __init__(self, lock: Any = None, *, ctx: Any = None) -> None:
+        if lock is not None:
+            raise NotImplementedError(
+                "fiber_dask.Condition(lock) with a lock of your own is not implemented "
+                "yet; use Condition(), whose acquire()/release() are its own RLock's"
+            )
+        self._create(_ConditionState())
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        return self._call("acquire", block, timeout, _me())
+
+    def release(self) -> None:
+        self._call("release", _me())
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Release the lock, wait for a notify (or ``timeout``), take it back."""
+        return self._call("wait", timeout, _me())
+
+    def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        result = predicate()
+        while not result:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self.wait(left)
+            result = predicate()
+        return result
+
+    def notify(self, n: int = 1) -> None:
+        self._call("notify", n, _me())
+
+    def notify_all(self) -> None:
+        self._call("notify", 1 << 30, _me())
+
+    def __repr__(self) -> str:
+        return "<Condition>"

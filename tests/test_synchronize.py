@@ -152,3 +152,52 @@ def test_fiber_lock_of_a_killed_holder_is_released(fiber_ctx):
     assert lock.acquire(timeout=20)  # released with its dead holder
     assert time.monotonic() - t0 < 20
     lock.release()
+
+
+def test_condition_wait_notify_and_timeout(ctx):
+    cond = ctx.Condition()
+    with pytest.raises(AssertionError):
+        cond.wait(0.1)
+    with pytest.raises(AssertionError):
+        cond.notify()
+    with cond:
+        assert cond.wait(0.2) is False  # nobody notifies
+    box = []
+
+    def producer():
+        time.sleep(0.2)
+        with cond:
+            box.append(1)
+            cond.notify()
+
+    threading.Thread(target=producer).start()
+    with cond:
+        assert cond.wait_for(lambda: box, timeout=10)
+    assert box == [1]
+
+
+def wait_for_go(cond, ev, q):
+    with cond:
+        ev.set()
+        q.put(cond.wait(30))
+
+
+def test_condition_across_processes(ctx):
+    cond, ev, q = ctx.Condition(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=wait_for_go, args=(cond, ev, q)) for _ in range(2)]
+    for p in procs:
+        ev.clear()
+        p.start()
+        assert ev.wait(30)  # it holds the condition's lock and is about to wait
+    time.sleep(0.3)
+    with cond:
+        cond.notify_all()
+    assert [q.get(timeout=30), q.get(timeout=30)] == [True, True]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+
+
+def test_fiber_condition_with_an_own_lock_says_not_implemented(fiber_ctx):
+    with pytest.raises(NotImplementedError, match="Condition"):
+        fiber_ctx.Condition(fiber_ctx.Lock())
