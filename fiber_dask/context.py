@@ -17,7 +17,6 @@ __all__ = ["DaskContext", "get_context", "default_context"]
 
 _PLANNED = {
     "Manager": "issue #4 (managers and synchronization)",
-    "Barrier": "issue #4 (managers and synchronization)",
     "Value": "issue #4 (managers and synchronization)",
     "Array": "issue #4 (managers and synchronization)",
     "RawValue": "issue #4 (managers and synchronization)",
@@ -121,6 +120,14 @@ class DaskContext:
         from .synchronize import Condition
 
         return Condition(lock, ctx=self)
+
+    def Barrier(
+        self, parties: int, action: Any = None, timeout: float | None = None
+    ) -> Any:  # noqa: N802
+        """Returns a barrier usable from any process of the cluster."""
+        from .synchronize import Barrier
+
+        return Barrier(parties, action, timeout, ctx=self)
 
     def Event(self) -> Any:  # noqa: N802
         """Returns an event usable from any process of the cluster."""

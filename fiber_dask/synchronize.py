@@ -5,8 +5,8 @@ other processes acquire and release it over the authenticated channel.  Beyond
 the stdlib: what a process holds when it dies (its connection drops) is
 released, so a killed worker cannot deadlock everyone else.
 
-Not implemented yet: ``Barrier``, and ``Condition(lock)`` with a lock of the
-caller's (both raise ``NotImplementedError``).
+Not implemented yet: ``Condition(lock)`` with a lock of the caller's (raises
+``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ from .objserver import (
     resolve,
 )
 
-__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition"]
+__all__ = [
+    "Lock",
+    "RLock",
+    "Semaphore",
+    "BoundedSemaphore",
+    "Event",
+    "Condition",
+    "Barrier",
+]
 
 _OWNER = "owner"  # session key of acquisitions made in the owning process
 
@@ -398,3 +406,84 @@ class Condition(_Served):
 
     def __repr__(self) -> str:
         return "<Condition>"
+
+
+class _BarrierState(ServedObject):
+    """A ``threading.Barrier`` in the owner; each remote waiter waits in the
+    owner's thread serving its connection."""
+
+    def __init__(self, parties: int, action: Any, timeout: float | None) -> None:
+        self.barrier = threading.Barrier(parties, action, timeout)
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        if op == "wait":
+            return self.barrier.wait(*args)
+        if op in ("abort", "reset"):
+            return getattr(self.barrier, op)()
+        if op == "info":
+            b = self.barrier
+            return b.parties, b.n_waiting, b.broken
+        raise ValueError(f"unknown barrier operation {op!r}")
+
+
+class Barrier(_Served):
+    """``multiprocessing.Barrier`` usable from any process of the cluster.
+
+    The ``action`` runs in the process that created the barrier (the stdlib
+    runs it in one of the waiting processes) when the last party arrives.
+    """
+
+    def __init__(
+        self,
+        parties: int,
+        action: Any = None,
+        timeout: float | None = None,
+        *,
+        ctx: Any = None,
+    ) -> None:
+        self._create(_BarrierState(parties, action, timeout))
+
+    def _info(self) -> tuple:
+        target = self._target
+        if isinstance(target, Remote):
+            return target.call("info")
+        return target.serve("info", (), {})
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for all parties; returns this party's index (0..parties-1).
+
+        ``threading.BrokenBarrierError`` if the barrier is, or becomes, broken.
+        """
+        target = self._target
+        if isinstance(target, Remote):
+            return target.call("wait", timeout)
+        return target.barrier.wait(timeout)
+
+    def abort(self) -> None:
+        self._call_barrier("abort")
+
+    def reset(self) -> None:
+        self._call_barrier("reset")
+
+    def _call_barrier(self, op: str) -> None:
+        target = self._target
+        if isinstance(target, Remote):
+            target.call(op)
+        else:
+            getattr(target.barrier, op)()
+
+    @property
+    def parties(self) -> int:
+        return self._info()[0]
+
+    @property
+    def n_waiting(self) -> int:
+        return self._info()[1]
+
+    @property
+    def broken(self) -> bool:
+        return self._info()[2]
+
+    def __repr__(self) -> str:
+        parties, waiting, broken = self._info()
+        return f"<Barrier(parties={parties}, n_waiting={waiting}, broken={broken})>"

@@ -201,3 +201,32 @@ def test_condition_across_processes(ctx):
 def test_fiber_condition_with_an_own_lock_says_not_implemented(fiber_ctx):
     with pytest.raises(NotImplementedError, match="Condition"):
         fiber_ctx.Condition(fiber_ctx.Lock())
+
+
+def barrier_party(barrier, q):
+    q.put(barrier.wait(30))
+
+
+def test_barrier_across_processes(ctx):
+    barrier, q = ctx.Barrier(3), ctx.Queue()
+    assert barrier.parties == 3 and barrier.n_waiting == 0 and not barrier.broken
+    procs = [ctx.Process(target=barrier_party, args=(barrier, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    mine = barrier.wait(30)
+    indices = sorted([mine, q.get(timeout=30), q.get(timeout=30)])
+    assert indices == [0, 1, 2]
+    for p in procs:
+        p.join(30)
+
+
+def test_barrier_timeout_abort_reset(ctx):
+    barrier = ctx.Barrier(2)
+    with pytest.raises(threading.BrokenBarrierError):
+        barrier.wait(0.2)
+    assert barrier.broken
+    barrier.reset()
+    assert not barrier.broken
+    barrier.abort()
+    with pytest.raises(threading.BrokenBarrierError):
+        barrier.wait(1)
