@@ -17,10 +17,6 @@ __all__ = ["DaskContext", "get_context", "default_context"]
 
 _PLANNED = {
     "Manager": "issue #4 (managers and synchronization)",
-    "Value": "issue #4 (managers and synchronization)",
-    "Array": "issue #4 (managers and synchronization)",
-    "RawValue": "issue #4 (managers and synchronization)",
-    "RawArray": "issue #4 (managers and synchronization)",
 }
 
 
@@ -128,6 +124,32 @@ class DaskContext:
         from .synchronize import Barrier
 
         return Barrier(parties, action, timeout, ctx=self)
+
+    def Value(self, typecode_or_type: Any, *args: Any, lock: Any = True) -> Any:  # noqa: N802
+        """A ctypes value usable from any process of the cluster (not shared memory)."""
+        from .sharedctypes import Value
+
+        return Value(typecode_or_type, *args, lock=lock, ctx=self)
+
+    def Array(
+        self, typecode_or_type: Any, size_or_initializer: Any, *, lock: Any = True
+    ) -> Any:  # noqa: N802
+        """A ctypes array usable from any process of the cluster (not shared memory)."""
+        from .sharedctypes import Array
+
+        return Array(typecode_or_type, size_or_initializer, lock=lock, ctx=self)
+
+    def RawValue(self, typecode_or_type: Any, *args: Any) -> Any:  # noqa: N802
+        """A lock-less ctypes value usable from any process of the cluster."""
+        from .sharedctypes import RawValue
+
+        return RawValue(typecode_or_type, *args)
+
+    def RawArray(self, typecode_or_type: Any, size_or_initializer: Any) -> Any:  # noqa: N802
+        """A lock-less ctypes array usable from any process of the cluster."""
+        from .sharedctypes import RawArray
+
+        return RawArray(typecode_or_type, size_or_initializer)
 
     def Event(self) -> Any:  # noqa: N802
         """Returns an event usable from any process of the cluster."""

@@ -230,3 +230,47 @@ def test_barrier_timeout_abort_reset(ctx):
     barrier.abort()
     with pytest.raises(threading.BrokenBarrierError):
         barrier.wait(1)
+
+
+def add_under_lock(v, arr, n):
+    for _ in range(n):
+        with v.get_lock():
+            v.value += 1
+        with arr.get_lock():
+            arr[0] = arr[0] + 1
+
+
+def test_value_and_array_exact_totals_across_processes(ctx):
+    v = ctx.Value("i", 0)
+    arr = ctx.Array("d", [0.0, 2.5, 5.0])
+    procs = [ctx.Process(target=add_under_lock, args=(v, arr, 50)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert v.value == 200
+    assert arr[:] == [200.0, 2.5, 5.0]
+    assert len(arr) == 3 and arr[1:] == [2.5, 5.0]
+
+
+def test_value_array_api(ctx):
+    import ctypes
+
+    v = ctx.Value(ctypes.c_double, 1.5)
+    assert v.value == 1.5
+    v.value = 2.5
+    assert v.value == 2.5
+    raw = ctx.RawValue("i", 7)
+    assert raw.value == 7
+    chars = ctx.Array("c", b"hello")
+    assert chars.value == b"hello"
+    chars.value = b"hi"
+    assert chars.value == b"hi"
+    nolock = ctx.Array("i", 4, lock=False)
+    assert nolock[:] == [0, 0, 0, 0]
+    lock = ctx.Lock()
+    shared = ctx.Value("i", 0, lock=lock)
+    assert shared.get_lock() is lock
+    ra = ctx.RawArray("i", [1, 2, 3])
+    assert list(ra) == [1, 2, 3]
