@@ -15,14 +15,8 @@ from __future__ import annotations
 from multiprocessing.sharedctypes import typecode_to_type
 from typing import Any
 
-from .objserver import (
-    Remote,
-    ServedObject,
-    get_object_server,
-    keep_until_unused,
-    resolve,
-)
-from .synchronize import Lock, RLock
+from .objserver import Remote, ServedObject
+from .synchronize import Lock, RLock, _Served
 
 __all__ = ["Value", "Array", "RawValue", "RawArray"]
 
@@ -37,50 +31,36 @@ class _CState(ServedObject):
     def __init__(self, obj: Any) -> None:
         self.obj = obj
 
+    def get(self, name: str) -> Any:
+        return getattr(self.obj, name)
+
+    def set(self, name: str, value: Any) -> None:
+        setattr(self.obj, name, value)
+
+    def len(self) -> int:
+        return len(self.obj)
+
+    def getitem(self, index: Any) -> Any:
+        return self.obj[index]
+
+    def setitem(self, index: Any, value: Any) -> None:
+        self.obj[index] = value
+
     def serve(self, op: str, args: tuple, session: dict) -> Any:
-        obj = self.obj
-        if op == "get":
-            return getattr(obj, args[0])
-        if op == "set":
-            setattr(obj, args[0], args[1])
-            return None
-        if op == "len":
-            return len(obj)
-        if op == "getitem":
-            return obj[args[0]]
-        if op == "setitem":
-            obj[args[0]] = args[1]
-            return None
+        if op in ("get", "set", "len", "getitem", "setitem"):
+            return getattr(self, op)(*args)
         raise ValueError(f"unknown shared ctypes operation {op!r}")
 
 
-def _rebuild(cls: type, ref: tuple, lock: Any) -> Any:
-    self = cls.__new__(cls)
-    self._ref, self._lock = ref, lock
-    self._target = resolve(*ref)
-    return self
-
-
-class _Proxy:
+class _Proxy(_Served):
     _lock: Any = None
 
     def _start(self, obj: Any, lock: Any) -> None:
-        state = _CState(obj)
-        server = get_object_server()
-        oid = server.add(state)
-        self._ref = (server.address, server.authkey, oid)
-        self._target = state
+        self._create(_CState(obj))
         self._lock = lock
-        keep_until_unused(state, self, oid)
 
-    def __reduce__(self):
-        return (_rebuild, (type(self), self._ref, self._lock))
-
-    def _op(self, op: str, *args: Any) -> Any:
-        target = self._target
-        if isinstance(target, Remote):
-            return target.call(op, *args)
-        return target.serve(op, args, {})
+    def _extra_state(self) -> dict:
+        return {"_lock": self._lock}
 
     def get_lock(self) -> Any:
         if self._lock is None:
@@ -113,11 +93,11 @@ class _Proxy:
 class _ValueProxy(_Proxy):
     @property
     def value(self) -> Any:
-        return self._op("get", "value")
+        return self._call("get", "value")
 
     @value.setter
     def value(self, v: Any) -> None:
-        self._op("set", "value", v)
+        self._call("set", "value", v)
 
     def __repr__(self) -> str:
         return f"<Synchronized wrapper for value {self.value!r}>"
@@ -125,32 +105,32 @@ class _ValueProxy(_Proxy):
 
 class _ArrayProxy(_Proxy):
     def __len__(self) -> int:
-        return self._op("len")
+        return self._call("len")
 
     def __getitem__(self, i: Any) -> Any:
-        return self._op("getitem", i)
+        return self._call("getitem", i)
 
     def __setitem__(self, i: Any, v: Any) -> None:
-        self._op("setitem", i, v)
+        self._call("setitem", i, v)
 
     def __iter__(self):
         return iter(self[:])
 
     @property
     def value(self) -> Any:  # char arrays, as ctypes
-        return self._op("get", "value")
+        return self._call("get", "value")
 
     @value.setter
     def value(self, v: Any) -> None:
-        self._op("set", "value", v)
+        self._call("set", "value", v)
 
     @property
     def raw(self) -> Any:
-        return self._op("get", "raw")
+        return self._call("get", "raw")
 
     @raw.setter
     def raw(self, v: Any) -> None:
-        self._op("set", "raw", v)
+        self._call("set", "raw", v)
 
     def __repr__(self) -> str:
         return f"<Synchronized wrapper for array {self[:]!r}>"

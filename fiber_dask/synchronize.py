@@ -139,9 +139,8 @@ class _SemState(ServedObject):
 
 
 class _Served:
-    """Common handle code: local state in the owner, a Remote elsewhere."""
-
-    _state: Any
+    """Common handle code: the state object itself in its owner, a Remote to
+    it elsewhere.  ``_call(op, ...)`` is ``state.op(...)`` either way."""
 
     def _create(self, state: ServedObject) -> None:
         server = get_object_server()
@@ -150,8 +149,12 @@ class _Served:
         self._target = state
         keep_until_unused(state, self, oid)
 
+    def _extra_state(self) -> dict:
+        """Handle attributes that travel with a pickled handle."""
+        return {}
+
     def __reduce__(self):
-        return (_rebuild, (type(self), self._ref))
+        return (_rebuild, (type(self), self._ref, self._extra_state()))
 
     def _call(self, op: str, *args: Any) -> Any:
         target = self._target
@@ -160,8 +163,9 @@ class _Served:
         return getattr(target, op)(*args)
 
 
-def _rebuild(cls: type, ref: tuple) -> Any:
+def _rebuild(cls: type, ref: tuple, extra: dict) -> Any:
     obj = cls.__new__(cls)
+    obj.__dict__.update(extra)
     obj._ref = ref
     obj._target = resolve(*ref)
     return obj
@@ -415,14 +419,22 @@ class _BarrierState(ServedObject):
     def __init__(self, parties: int, action: Any, timeout: float | None) -> None:
         self.barrier = threading.Barrier(parties, action, timeout)
 
+    def wait(self, timeout: float | None) -> int:
+        return self.barrier.wait(timeout)
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+    def reset(self) -> None:
+        self.barrier.reset()
+
+    def info(self) -> tuple:
+        b = self.barrier
+        return b.parties, b.n_waiting, b.broken
+
     def serve(self, op: str, args: tuple, session: dict) -> Any:
-        if op == "wait":
-            return self.barrier.wait(*args)
-        if op in ("abort", "reset"):
-            return getattr(self.barrier, op)()
-        if op == "info":
-            b = self.barrier
-            return b.parties, b.n_waiting, b.broken
+        if op in ("wait", "abort", "reset", "info"):
+            return getattr(self, op)(*args)
         raise ValueError(f"unknown barrier operation {op!r}")
 
 
@@ -444,33 +456,20 @@ class Barrier(_Served):
         self._create(_BarrierState(parties, action, timeout))
 
     def _info(self) -> tuple:
-        target = self._target
-        if isinstance(target, Remote):
-            return target.call("info")
-        return target.serve("info", (), {})
+        return self._call("info")
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for all parties; returns this party's index (0..parties-1).
 
         ``threading.BrokenBarrierError`` if the barrier is, or becomes, broken.
         """
-        target = self._target
-        if isinstance(target, Remote):
-            return target.call("wait", timeout)
-        return target.barrier.wait(timeout)
+        return self._call("wait", timeout)
 
     def abort(self) -> None:
-        self._call_barrier("abort")
+        self._call("abort")
 
     def reset(self) -> None:
-        self._call_barrier("reset")
-
-    def _call_barrier(self, op: str) -> None:
-        target = self._target
-        if isinstance(target, Remote):
-            target.call(op)
-        else:
-            getattr(target.barrier, op)()
+        self._call("reset")
 
     @property
     def parties(self) -> int:
