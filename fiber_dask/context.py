@@ -15,25 +15,6 @@ from .process import Process as _Process
 
 __all__ = ["DaskContext", "get_context", "default_context"]
 
-_PLANNED = {
-    "Manager": "issue #4 (managers and synchronization)",
-}
-
-
-def _not_yet(name: str):
-    def factory(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"fiber_dask.{name} is not implemented yet (planned: {_PLANNED[name]}). "
-            "Pool, Process, Queue and Pipe run on the cluster in this version; use "
-            f"the stdlib's multiprocessing.{name} for single-machine code meanwhile."
-        )
-
-    factory.__name__ = name
-    factory.__doc__ = (
-        f"Not implemented yet: raises NotImplementedError ({_PLANNED[name]})."
-    )
-    return factory
-
 
 class DaskContext:
     """A ``multiprocessing`` context whose objects live on a Dask cluster."""
@@ -157,6 +138,15 @@ class DaskContext:
 
         return Event(ctx=self)
 
+    def Manager(self) -> Any:  # noqa: N802
+        """Returns a started SyncManager whose objects every process of the
+        cluster can use (see :mod:`fiber_dask.managers`)."""
+        from .managers import SyncManager
+
+        m = SyncManager(ctx=self)
+        m.start()
+        return m
+
     def ThreadPool(self, processes=None, initializer=None, initargs=()):  # noqa: N802
         """The stdlib's ThreadPool: threads of this process, sharing its memory."""
         from multiprocessing.pool import ThreadPool
@@ -262,10 +252,6 @@ class DaskContext:
     def parent_process(self) -> Any:
         return multiprocessing.parent_process()
 
-
-for _name in _PLANNED:
-    setattr(DaskContext, _name, _not_yet(_name))
-del _name
 
 default_context = DaskContext()
 

@@ -6,6 +6,7 @@ import multiprocessing
 
 __all__ = [
     "ClusterConnectionError",
+    "ManagerConnectionError",
     "PoolTerminatedError",
     "WorkerLostError",
 ]
@@ -29,3 +30,11 @@ class PoolTerminatedError(multiprocessing.ProcessError):
 
 class ClusterConnectionError(ConnectionError):
     """The Dask scheduler could not be reached or started."""
+
+
+class ManagerConnectionError(ConnectionError, EOFError):
+    """A manager's server process is gone or unreachable.
+
+    The stdlib raises ``EOFError`` or a ``ConnectionError`` here depending on the
+    moment; this is both, so code written for either still catches it.
+    """

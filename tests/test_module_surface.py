@@ -49,14 +49,6 @@ def test_helpers_behave_like_the_stdlib():
         fiber_dask.set_forkserver_preload(["json"])
 
 
-def test_not_yet_implemented_names_say_so():
-    for name in ("Manager",):
-        with pytest.raises(
-            NotImplementedError, match=f"fiber_dask.{name} is not implemented"
-        ):
-            getattr(fiber_dask, name)()
-
-
 def test_star_import_gives_the_stdlib_names(tmp_path):
     script = tmp_path / "star.py"
     script.write_text(

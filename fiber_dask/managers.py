@@ -1,0 +1,437 @@
+"""Managers whose shared objects are reachable from every process of the cluster.
+
+``Manager()`` starts a server process holding shared objects (dicts, lists,
+queues, locks, your own registered classes) and returns proxies to them, as
+the stdlib does — with the stdlib's own server, protocol and proxy classes.
+fiber-dask changes where things live and how they are reached:
+
+* **Where the server runs**: a process of its own on the host of the process
+  that started the manager (spawned, never forked: this process runs Dask's
+  threads), listening on the interface that reaches the Dask scheduler — not
+  on a Dask worker.  So the manager survives the loss of any worker, holds no
+  worker slot, and never stops adaptive scaling from retiring a worker (a Dask
+  Actor would pin its worker).  If its own host dies, proxies raise
+  :class:`~fiber_dask.errors.ManagerConnectionError` (never hang: TCP
+  keep-alive and a user timeout bound the wait to about 30 s).  The server
+  exits with the process that started it, even if that one is SIGKILLed.
+* **Proxies work anywhere**: they carry the manager's authkey when pickled (see
+  :mod:`fiber_dask.proxies`), so a proxy passed to a Process or a Pool task on
+  another host still reaches its object.
+* **Locks held by a dead client are released**: a managed ``Lock``, ``RLock``,
+  ``Semaphore`` or ``BoundedSemaphore`` remembers which connection took it;
+  when that connection drops (its process died), what it held is released
+  instead of deadlocking everyone else.
+* ``manager.Pool()`` is a fiber-dask Pool on the same cluster, not a pool of
+  local processes.
+* :class:`AsyncManager` (from Fiber): proxy calls return results to collect
+  later, so one controller can drive hundreds of remote objects.
+
+``BaseManager.register``, ``connect()`` by address and authkey, ``get_server()``,
+``start()``/``shutdown()`` and the context manager are the stdlib's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import threading
+import weakref
+from multiprocessing import managers as _std
+from typing import Any
+
+from . import proxies
+from .proxies import (
+    AsyncAutoProxy,
+    AsyncBaseProxy,
+    AsyncProxyResult,
+    AutoProxy,
+    BaseProxy,
+    MakeAsyncProxyType,
+    MakeProxyType,
+    proxy_type_for,
+)
+from .synchronize import _SemState
+
+__all__ = [
+    "AsyncManager",
+    "BaseManager",
+    "BaseProxy",
+    "SharedMemoryManager",
+    "SyncManager",
+    "Token",
+]
+
+# The stdlib's names, re-exported so ``fiber_dask.managers`` is a drop-in.
+Token = _std.Token
+Namespace = _std.Namespace
+Value = _std.Value
+Array = _std.Array
+RemoteError = _std.RemoteError
+dispatch = _std.dispatch
+State = _std.State
+# Shared memory cannot span hosts: this is the stdlib's, for one machine.
+SharedMemoryManager = getattr(_std, "SharedMemoryManager", None)
+
+IteratorProxy = proxy_type_for(_std.IteratorProxy, __name__)
+AcquirerProxy = proxy_type_for(_std.AcquirerProxy, __name__)
+ConditionProxy = proxy_type_for(_std.ConditionProxy, __name__)
+EventProxy = proxy_type_for(_std.EventProxy, __name__)
+BarrierProxy = proxy_type_for(_std.BarrierProxy, __name__)
+NamespaceProxy = proxy_type_for(_std.NamespaceProxy, __name__)
+ValueProxy = proxy_type_for(_std.ValueProxy, __name__)
+BaseListProxy = proxy_type_for(_std.BaseListProxy, __name__)
+ListProxy = proxy_type_for(_std.ListProxy, __name__)
+DictProxy = proxy_type_for(_std.DictProxy, __name__)
+ArrayProxy = proxy_type_for(_std.ArrayProxy, __name__)
+BasePoolProxy = proxy_type_for(_std.BasePoolProxy, __name__)
+PoolProxy = proxy_type_for(_std.PoolProxy, __name__)
+
+
+# --- the server ---------------------------------------------------------------
+
+_leased: weakref.WeakSet[_SemState] = weakref.WeakSet()
+
+
+class Server(_std.Server):
+    """The stdlib's manager server; what a connection held is released when
+    the connection ends."""
+
+    def serve_client(self, conn: Any) -> None:
+        try:
+            super().serve_client(conn)
+        finally:
+            session = {"id": threading.get_ident()}
+            for state in list(_leased):
+                state.disconnected(session)
+
+
+def _conn_id() -> int:
+    # Each client thread has its own connection, served by its own thread.
+    return threading.get_ident()
+
+
+class _ManagedSemaphore:
+    """``threading.Semaphore`` semantics, with acquisitions leased to the
+    client connection that made them."""
+
+    _recursive = False
+    _bounded = False
+
+    def __init__(self, value: int = 1) -> None:
+        if value < 0:
+            raise ValueError("semaphore initial value must be >= 0")
+        self._state = _SemState(
+            value, value if self._bounded else None, self._recursive
+        )
+        _leased.add(self._state)
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if not blocking and timeout is not None and timeout != -1:
+            raise ValueError("can't specify a timeout for a non-blocking call")
+        if timeout is not None and timeout < 0:
+            timeout = None
+        me = _conn_id()
+        return self._state.acquire(blocking, timeout, me, me)
+
+    def release(self) -> None:
+        me = _conn_id()
+        try:
+            self._state.release(me, me)
+        except ValueError:
+            raise self._over_release() from None
+        except AssertionError:
+            raise RuntimeError("cannot release un-acquired lock") from None
+
+    def _over_release(self) -> Exception:
+        return ValueError("Semaphore released too many times")
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<managed {type(self).__name__.lstrip('_')} value={self._state.value}>"
+
+
+class _ManagedBoundedSemaphore(_ManagedSemaphore):
+    _bounded = True
+
+
+class _ManagedLock(_ManagedSemaphore):
+    _bounded = True
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def _over_release(self) -> Exception:
+        return RuntimeError("release unlocked lock")
+
+    def locked(self) -> bool:
+        return self._state.get_value() == 0
+
+
+class _ManagedRLock(_ManagedSemaphore):
+    _recursive = True
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def _is_owned(self) -> bool:  # lets threading.Condition use it
+        return self._state.is_mine(_conn_id())
+
+
+def _managed_pool(*args: Any, **kwargs: Any) -> Any:
+    """``manager.Pool()``: a fiber-dask Pool on the manager owner's cluster."""
+    from .pool import Pool
+
+    return Pool(*args, **kwargs)
+
+
+def _watch_parent(ppid: int) -> None:
+    """End the server when the process that started it is gone (the stdlib's
+    server lives on after a SIGKILLed owner; a cluster would collect them)."""
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            threading.Event().wait(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="fiber-manager-watchdog", daemon=True).start()
+
+
+def _server_init(settings: dict, initializer: Any, initargs: tuple) -> None:
+    """Runs first in the server process: bind to the owner's cluster (for
+    ``manager.Pool()``), watch the owner, then the user's initializer."""
+    import dask.config
+
+    if settings:
+        dask.config.set(settings)
+    _watch_parent(os.getppid())
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _manager_host() -> str:
+    """The interface the server listens on: where this process's other
+    endpoints listen (the one that reaches the scheduler)."""
+    from . import cluster
+    from .objserver import listen_host
+
+    if cluster._handle is None and not _inside_cluster():
+        cluster.get_handle()  # resolve the cluster: it decides the interface
+    return listen_host()
+
+
+def _inside_cluster() -> bool:
+    if os.environ.get("FIBER_DASK_LISTEN_HOST"):
+        return True
+    try:
+        from distributed import get_worker
+
+        get_worker()
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+def _cluster_settings() -> dict:
+    """Config for the server process so that ``manager.Pool()`` attaches to
+    this process's cluster instead of starting one of its own."""
+    from . import cluster
+
+    handle = cluster._handle
+    if handle is None:
+        return {}
+    try:
+        address = handle.client.scheduler.address
+    except AttributeError:
+        return {}
+    settings = {"fiber.backend": "address", "fiber.address": address}
+    if handle.listen_host:
+        settings["fiber.listen-host"] = handle.listen_host
+    return settings
+
+
+# --- the managers --------------------------------------------------------------
+
+
+class BaseManager(_std.BaseManager):
+    """``multiprocessing.managers.BaseManager`` whose objects are reachable
+    from every process of the cluster (see the module docstring).
+
+    ``address=None`` listens on a free port of the interface that reaches the
+    Dask scheduler; give ``address=(host, port)`` to choose.  ``ctx`` may be a
+    stdlib context for the server process (default: spawn); a fiber-dask
+    context is accepted and means the default.
+    """
+
+    _registry: dict = {}
+    _Server = Server
+    _auto_proxy = staticmethod(AutoProxy)
+
+    def __init__(
+        self,
+        address: Any = None,
+        authkey: bytes | None = None,
+        serializer: str = "pickle",
+        ctx: Any = None,
+        *,
+        shutdown_timeout: float = 1.0,
+    ) -> None:
+        if not isinstance(ctx, multiprocessing.context.BaseContext):
+            ctx = multiprocessing.get_context("spawn")
+        super().__init__(
+            address,
+            authkey,
+            proxies.fiber_serializer(serializer),
+            ctx,
+            shutdown_timeout=shutdown_timeout,
+        )
+
+    def start(self, initializer: Any = None, initargs: tuple = ()) -> None:
+        """Start the server process for this manager."""
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if self._state.value == State.INITIAL and self._address is None:
+            self._address = (_manager_host(), 0)
+        super().start(_server_init, (_cluster_settings(), initializer, tuple(initargs)))
+
+    def get_server(self) -> Any:
+        """A server to run in this process (``serve_forever()``)."""
+        if self._state.value == State.STARTED:
+            raise multiprocessing.ProcessError("Already started server")
+        if self._state.value == State.SHUTDOWN:
+            raise multiprocessing.ProcessError("Manager has shut down")
+        if self._address is None:
+            self._address = (_manager_host(), 0)
+        return self._Server(
+            self._registry, self._address, self._authkey, self._serializer
+        )
+
+    def connect(self) -> None:
+        """Connect to a running manager at ``address`` with ``authkey``."""
+        conn = self._Client(self._address, authkey=self._authkey)
+        try:
+            dispatch(conn, None, "dummy")
+        finally:
+            conn.close()
+        self._state.value = State.STARTED
+
+    @classmethod
+    def register(
+        cls,
+        typeid: str,
+        callable: Any = None,  # noqa: A002 - the stdlib's parameter name
+        proxytype: Any = None,
+        exposed: Any = None,
+        method_to_typeid: Any = None,
+        create_method: bool = True,
+    ) -> None:
+        """Register a type (or callable) whose instances live in the server."""
+        if proxytype is None:
+            proxytype = cls._auto_proxy
+        elif isinstance(proxytype, type) and issubclass(proxytype, _std.BaseProxy):
+            proxytype = proxy_type_for(proxytype)  # pickles with its authkey
+        super().register(
+            typeid, callable, proxytype, exposed, method_to_typeid, create_method
+        )
+
+
+class SyncManager(BaseManager):
+    """``multiprocessing.managers.SyncManager`` across the cluster: ``dict``,
+    ``list``, ``Namespace``, ``Value``, ``Array``, ``Queue``,
+    ``JoinableQueue``, ``Lock``, ``RLock``, ``Semaphore``,
+    ``BoundedSemaphore``, ``Condition``, ``Event``, ``Barrier`` and ``Pool``.
+    """
+
+
+SyncManager.register("Queue", queue.Queue)
+SyncManager.register("JoinableQueue", queue.Queue)
+SyncManager.register("Event", threading.Event, EventProxy)
+SyncManager.register("Lock", _ManagedLock, AcquirerProxy)
+SyncManager.register("RLock", _ManagedRLock, AcquirerProxy)
+SyncManager.register("Semaphore", _ManagedSemaphore, AcquirerProxy)
+SyncManager.register("BoundedSemaphore", _ManagedBoundedSemaphore, AcquirerProxy)
+SyncManager.register("Condition", threading.Condition, ConditionProxy)
+SyncManager.register("Barrier", threading.Barrier, BarrierProxy)
+SyncManager.register("Pool", _managed_pool, PoolProxy)
+SyncManager.register("list", list, ListProxy)
+SyncManager.register("dict", dict, DictProxy)
+SyncManager.register("Value", Value, ValueProxy)
+SyncManager.register("Array", Array, ArrayProxy)
+SyncManager.register("Namespace", Namespace, NamespaceProxy)
+# types returned by methods of PoolProxy
+SyncManager.register("Iterator", proxytype=IteratorProxy, create_method=False)
+SyncManager.register("AsyncResult", create_method=False)
+
+
+class AsyncManager(BaseManager):
+    """A manager whose proxies return results to collect later (Fiber's).
+
+    Every method call on its proxies sends the request and returns an
+    :class:`~fiber_dask.proxies.AsyncProxyResult` at once (``get(timeout)`` /
+    ``result(timeout)``, ``ready()``), so a controller can call hundreds of
+    objects and then gather the answers::
+
+        class Envs(AsyncManager): pass
+        Envs.register("Env", make_env)
+        with Envs() as m:
+            envs = [m.Env() for _ in range(100)]
+            steps = [env.step(action) for env in envs]   # no waiting
+            observations = [s.get() for s in steps]
+
+    Registered types default to async auto proxies.  It registers ``dict``,
+    ``list``, ``Value``, ``Array``, ``Queue`` and ``JoinableQueue`` (whose
+    calls, ``d["k"]`` included, are asynchronous too).
+    """
+
+    _auto_proxy = staticmethod(AsyncAutoProxy)
+
+
+def _async_type(name: str, exposed: tuple) -> type:
+    cls = MakeAsyncProxyType(name, tuple(m for m in exposed if m != "__iter__"))
+    cls.__module__ = __name__  # the registry pickles it by name
+    return cls
+
+
+AsyncDictProxy = _async_type("AsyncDictProxy", _std.DictProxy._exposed_)
+AsyncListProxy = _async_type("AsyncListProxy", _std.ListProxy._exposed_)
+AsyncValueProxy = _async_type("AsyncValueProxy", ("get", "set"))
+AsyncArrayProxy = _async_type("AsyncArrayProxy", _std.ArrayProxy._exposed_)
+
+AsyncManager.register("Queue", queue.Queue)
+AsyncManager.register("JoinableQueue", queue.Queue)
+AsyncManager.register("list", list, AsyncListProxy)
+AsyncManager.register("dict", dict, AsyncDictProxy)
+AsyncManager.register("Value", Value, AsyncValueProxy)
+AsyncManager.register("Array", Array, AsyncArrayProxy)
+
+__all__ += [
+    "AcquirerProxy",
+    "Array",
+    "ArrayProxy",
+    "AsyncArrayProxy",
+    "AsyncAutoProxy",
+    "AsyncBaseProxy",
+    "AsyncDictProxy",
+    "AsyncListProxy",
+    "AsyncProxyResult",
+    "AsyncValueProxy",
+    "AutoProxy",
+    "BarrierProxy",
+    "ConditionProxy",
+    "DictProxy",
+    "EventProxy",
+    "IteratorProxy",
+    "ListProxy",
+    "MakeProxyType",
+    "Namespace",
+    "NamespaceProxy",
+    "PoolProxy",
+    "RemoteError",
+    "Server",
+    "Value",
+    "ValueProxy",
+]
