@@ -5,8 +5,8 @@ other processes acquire and release it over the authenticated channel.  Beyond
 the stdlib: what a process holds when it dies (its connection drops) is
 released, so a killed worker cannot deadlock everyone else.
 
-Not implemented yet: ``Condition(lock)`` with a lock of the caller's (raises
-``NotImplementedError``).
+A ``Condition`` lives with its lock (its own ``RLock``, or the ``Lock`` or
+``RLock`` it was given): waits and notifies go to that lock's owner.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import uuid
 from typing import Any
 
 from .objserver import (
@@ -56,7 +57,10 @@ class _SemState(ServedObject):
         self.cond = threading.Condition()
         self.owner: tuple | None = None  # RLock: (host pid, thread) holding it
         self.count = 0  # RLock recursion depth
+        self.holder: tuple | None = None  # Lock: who took it last (Condition)
         self.held: dict[Any, int] = {}  # session -> acquisitions not released
+        # Conditions built on this lock: condition id -> waiters' tickets
+        self.waiters: dict[str, list[list[bool]]] = {}
 
     def acquire(
         self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
@@ -74,6 +78,7 @@ class _SemState(ServedObject):
             self.value -= 1
             if self.recursive:
                 self.owner, self.count = who, 1
+            self.holder = who
             self.held[sid] = self.held.get(sid, 0) + 1
             return True
 
@@ -91,6 +96,7 @@ class _SemState(ServedObject):
             elif self.maxvalue is not None and self.value >= self.maxvalue:
                 raise ValueError("semaphore or lock released too many times")
             self._forget(sid)
+            self.holder = None
             self.value += 1
             # notify_all: a Condition shares this mutex with its waiters, whose
             # predicates differ; one notify could wake the wrong thread.
@@ -111,6 +117,48 @@ class _SemState(ServedObject):
         with self.cond:
             return self.value
 
+    def _held_by(self, who: tuple) -> bool:
+        if self.recursive:
+            return self.owner == who
+        return self.value == 0 and self.holder == who
+
+    def cond_wait(
+        self, cid: str, timeout: float | None, who: tuple, sid: Any = _OWNER
+    ) -> bool:
+        """Condition.wait on this lock: release it entirely (whatever its
+        recursion depth), wait for a notify or the timeout, take it back."""
+        with self.cond:
+            if not self._held_by(who):
+                raise AssertionError("must acquire() condition before using wait()")
+            count = self.count
+            ticket = [False]
+            self.waiters.setdefault(cid, []).append(ticket)
+            self.owner, self.count, self.holder = None, 0, None
+            self._forget(sid)
+            self.value += 1
+            self.cond.notify_all()
+            notified = self.cond.wait_for(lambda: ticket[0], timeout)
+            if not notified:
+                self.waiters[cid].remove(ticket)
+            # Take the lock back, as threading.Condition does, however long.
+            self.cond.wait_for(lambda: self.value > 0)
+            self.value -= 1
+            if self.recursive:
+                self.owner, self.count = who, count
+            self.holder = who
+            self.held[sid] = self.held.get(sid, 0) + 1
+            return notified
+
+    def cond_notify(self, cid: str, n: int, who: tuple) -> None:
+        with self.cond:
+            if not self._held_by(who):
+                raise AssertionError("lock is not owned")
+            tickets = self.waiters.get(cid, [])
+            for ticket in tickets[:n]:
+                ticket[0] = True
+            del tickets[:n]
+            self.cond.notify_all()
+
     def is_mine(self, who: tuple) -> bool:
         with self.cond:
             return self.owner == who
@@ -121,7 +169,9 @@ class _SemState(ServedObject):
             return self.acquire(*args, sid)
         if op == "release":
             return self.release(*args, sid)
-        if op in ("get_value", "is_mine"):
+        if op == "cond_wait":
+            return self.cond_wait(*args, sid)
+        if op in ("get_value", "is_mine", "cond_notify"):
             return getattr(self, op)(*args)
         raise ValueError(f"unknown semaphore operation {op!r}")
 
@@ -134,6 +184,7 @@ class _SemState(ServedObject):
             # Its holder died: release what it held, instead of a deadlock.
             if self.recursive:
                 self.owner, self.count = None, 0
+            self.holder = None
             self.value += n
             self.cond.notify_all()
 
@@ -295,99 +346,44 @@ class Event(_Served):
         return self._call("wait", timeout)
 
 
-class _ConditionState(ServedObject):
-    """A condition variable with its own recursive lock, in one place."""
-
-    def __init__(self) -> None:
-        self.lock = _SemState(1, 1, recursive=True)
-        self.cond = self.lock.cond  # one mutex guards the lock and the waiters
-        self.generation = 0
-        self.waiters: list[list[bool]] = []
-
-    def acquire(
-        self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
-    ) -> bool:
-        return self.lock.acquire(block, timeout, who, sid)
-
-    def release(self, who: tuple, sid: Any = _OWNER) -> None:
-        self.lock.release(who, sid)
-
-    def is_mine(self, who: tuple) -> bool:
-        return self.lock.is_mine(who)
-
-    def wait(self, timeout: float | None, who: tuple, sid: Any = _OWNER) -> bool:
-        with self.cond:
-            if self.lock.owner != who:
-                raise AssertionError("must acquire() condition before using wait()")
-            count = self.lock.count
-            ticket = [False]
-            self.waiters.append(ticket)
-            # Release the lock entirely (whatever its recursion depth).
-            self.lock.owner, self.lock.count = None, 0
-            self.lock._forget(sid)
-            self.lock.value += 1
-            self.cond.notify_all()
-            notified = self.cond.wait_for(lambda: ticket[0], timeout)
-            if not notified:
-                self.waiters.remove(ticket)
-            # Take the lock back, as threading.Condition does, however long.
-            self.cond.wait_for(lambda: self.lock.value > 0)
-            self.lock.value -= 1
-            self.lock.owner, self.lock.count = who, count
-            self.lock.held[sid] = self.lock.held.get(sid, 0) + 1
-            return notified
-
-    def notify(self, n: int, who: tuple) -> None:
-        with self.cond:
-            if self.lock.owner != who:
-                raise AssertionError("lock is not owned")
-            for ticket in self.waiters[:n]:
-                ticket[0] = True
-            del self.waiters[:n]
-            self.cond.notify_all()
-
-    def serve(self, op: str, args: tuple, session: dict) -> Any:
-        sid = session.setdefault("id", object())
-        if op in ("acquire", "release", "wait"):
-            return getattr(self, op)(*args, sid)
-        if op in ("notify", "is_mine"):
-            return getattr(self, op)(*args)
-        raise ValueError(f"unknown condition operation {op!r}")
-
-    def disconnected(self, session: dict) -> None:
-        self.lock.disconnected(session)
-
-
-class Condition(_Served):
+class Condition:
     """``multiprocessing.Condition`` usable from any process of the cluster.
 
-    Only ``Condition()`` with its own (recursive) lock: passing a lock is not
-    implemented yet and raises ``NotImplementedError``.
+    It lives with its lock: ``Condition()`` makes an ``RLock``;
+    ``Condition(lock)`` takes a fiber-dask ``Lock`` or ``RLock`` of yours, and
+    waits and notifies go to the process that owns that lock.
     """
 
     def __init__(self, lock: Any = None, *, ctx: Any = None) -> None:
-        if lock is not None:
-            raise NotImplementedError(
-                "fiber_dask.Condition(lock) with a lock of your own is not implemented "
-                "yet; use Condition(), whose acquire()/release() are its own RLock's"
+        if lock is None:
+            lock = RLock(ctx=ctx)
+        elif not isinstance(lock, Semaphore):
+            raise TypeError(
+                f"Condition(lock) needs a fiber_dask Lock or RLock, not "
+                f"{type(lock).__name__}: a lock of another kind cannot be shared "
+                "with processes on other hosts"
             )
-        self._create(_ConditionState())
+        self._lock = lock
+        self._cid = uuid.uuid4().hex
+
+    def __reduce__(self):
+        return (_rebuild_condition, (self._lock, self._cid))
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
-        return self._call("acquire", block, timeout, _me())
+        return self._lock.acquire(block, timeout)
 
     def release(self) -> None:
-        self._call("release", _me())
+        self._lock.release()
 
     def __enter__(self) -> bool:
-        return self.acquire()
+        return self._lock.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        self.release()
+        self._lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Release the lock, wait for a notify (or ``timeout``), take it back."""
-        return self._call("wait", timeout, _me())
+        return self._lock._call("cond_wait", self._cid, timeout, _me())
 
     def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
         import time
@@ -403,13 +399,19 @@ class Condition(_Served):
         return result
 
     def notify(self, n: int = 1) -> None:
-        self._call("notify", n, _me())
+        self._lock._call("cond_notify", self._cid, n, _me())
 
     def notify_all(self) -> None:
-        self._call("notify", 1 << 30, _me())
+        self.notify(1 << 30)
 
     def __repr__(self) -> str:
-        return "<Condition>"
+        return f"<Condition({self._lock!r})>"
+
+
+def _rebuild_condition(lock: Semaphore, cid: str) -> Condition:
+    cond = Condition.__new__(Condition)
+    cond._lock, cond._cid = lock, cid
+    return cond
 
 
 class _BarrierState(ServedObject):

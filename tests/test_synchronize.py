@@ -198,11 +198,6 @@ def test_condition_across_processes(ctx):
         assert p.exitcode == 0
 
 
-def test_fiber_condition_with_an_own_lock_says_not_implemented(fiber_ctx):
-    with pytest.raises(NotImplementedError, match="Condition"):
-        fiber_ctx.Condition(fiber_ctx.Lock())
-
-
 def barrier_party(barrier, q):
     q.put(barrier.wait(30))
 
@@ -274,3 +269,41 @@ def test_value_array_api(ctx):
     assert shared.get_lock() is lock
     ra = ctx.RawArray("i", [1, 2, 3])
     assert list(ra) == [1, 2, 3]
+
+
+def notify_under(lock, cond, q):
+    with lock:  # the condition's lock, taken through the lock itself
+        q.put("notifying")
+        cond.notify_all()
+
+
+@pytest.mark.parametrize("kind", ["Lock", "RLock"])
+def test_condition_with_a_lock_of_your_own(ctx, kind):
+    lock = getattr(ctx, kind)()
+    cond = ctx.Condition(lock)
+    with pytest.raises(AssertionError):
+        cond.wait(0.1)  # not held
+    with cond:
+        # The condition's acquire is the lock's: another thread cannot take it.
+        box = []
+        t = threading.Thread(target=lambda: box.append(lock.acquire(timeout=0.1)))
+        t.start()
+        t.join()
+        assert box == [False]
+        assert cond.wait(0.1) is False  # nobody notifies; the lock comes back
+        assert box == [False]
+    q = ctx.Queue()
+    with cond:
+        p = ctx.Process(target=notify_under, args=(lock, cond, q))
+        p.start()
+        assert cond.wait(30) is True  # released the lock for the child, woken
+    assert q.get(timeout=30) == "notifying"
+    p.join(30)
+    assert p.exitcode == 0
+    assert lock.acquire(timeout=5)  # released after the with block
+    lock.release()
+
+
+def test_fiber_condition_refuses_a_foreign_lock(fiber_ctx):
+    with pytest.raises(TypeError, match="fiber_dask Lock or RLock"):
+        fiber_ctx.Condition(threading.Lock())
