@@ -36,6 +36,7 @@ from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from typing import Any
 
 from . import channel
+from .mainglobals import MainNamespace
 
 __all__ = ["run_pool_worker"]
 
@@ -71,6 +72,7 @@ class _Loop:
         self.executing = False
         self.stop_now = False
         self.main_ident = threading.get_ident()
+        self.main = MainNamespace()  # the script's globals, shared by its functions
 
     def send(self, msg: tuple) -> None:
         with self.send_lock:
@@ -175,6 +177,7 @@ def run_pool_worker(
         if init_blob is not None:
             try:
                 initializer, initargs = pickle.loads(init_blob)
+                initializer = loop.main.adopt(initializer)
                 loop.call(initializer, 1, initargs)
             except Exception as e:
                 loop.send(("I", _dumps_value(_wrap(e))))
@@ -207,7 +210,7 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
             items = pickle.loads(payload)
             func = funcs.get(fid)
             if func is None:
-                func = pickle.loads(fblob)
+                func = loop.main.adopt(pickle.loads(fblob))
                 if len(funcs) >= _FUNC_CACHE_SIZE:
                     funcs.pop(next(iter(funcs)))
                 funcs[fid] = func
