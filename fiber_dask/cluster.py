@@ -185,14 +185,18 @@ def _check_not_bootstrapping() -> None:
 def task_slots(handle: ClusterHandle | None = None) -> int:
     """How many tasks the cluster runs at once (sum of worker threads).
 
-    For an adaptive or still-starting cluster with no workers yet, the
-    configured maximum (or local worker count) is reported instead of 0.
+    For a cluster fiber-dask started, at least what it was sized for (an
+    adaptive cluster's maximum, not the minimum it runs while idle); for a
+    still-starting cluster with no workers yet, the configured size.
     """
     import os
 
     handle = handle or get_handle()
     info = handle.client.scheduler_info(n_workers=-1)
     slots = sum(w.get("nthreads", 0) for w in info.get("workers", {}).values())
+    if handle.owned and handle.planned_slots:
+        # An adaptive cluster's maximum, not the workers it happens to have now.
+        return max(slots, handle.planned_slots)
     if slots:
         return slots
     if handle.owned and handle.cluster is not None:
@@ -218,6 +222,9 @@ def ensure_slots(handle: ClusterHandle, n: int) -> None:
     """
     cluster = handle.cluster
     if not handle.owned or cluster is None or config.get("adaptive.enabled"):
+        return
+    if handle.grow is not None:
+        handle.grow(n)
         return
     per_worker = config.get("local.threads-per-worker") or 1
     want = -(-n // per_worker)

@@ -125,6 +125,32 @@ def _fiber_session():
     _check_no_leaked_processes(preexisting)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kubernetes",
+        action="store_true",
+        default=False,
+        help="run the tests marked kubernetes against the cluster of $KUBECONFIG "
+        "(needs the dask-kubernetes operator and FIBER_DASK_TEST_IMAGE)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Tests marked ``kubernetes`` need a live cluster: they run with --kubernetes,
+    or when selected with ``-m kubernetes`` while KUBECONFIG is set."""
+    if config.getoption("--kubernetes"):
+        return
+    if os.environ.get("KUBECONFIG") and "kubernetes" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(
+        reason="needs a live Kubernetes cluster with the dask-kubernetes operator: "
+        "run with --kubernetes (or -m kubernetes with KUBECONFIG set)"
+    )
+    for item in items:
+        if item.get_closest_marker("kubernetes") is not None:
+            item.add_marker(skip)
+
+
 def _stdlib_context():
     return multiprocessing.get_context("forkserver")
 

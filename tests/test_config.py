@@ -86,9 +86,27 @@ def yaml_keys(node: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
 def schema_nodes(
     node: Mapping[str, Any], prefix: str = ""
 ) -> Iterator[tuple[str, Any]]:
+    """Every named key of the schema, also inside list items ("groups[].name") and
+    inside the alternatives of an anyOf."""
     for name, sub in node.get("properties", {}).items():
         yield prefix + name, sub
         yield from schema_nodes(sub, prefix + name + ".")
+        for alternative in sub.get("anyOf", []):
+            yield from schema_nodes(alternative, prefix + name + ".")
+        if isinstance(sub.get("items"), Mapping):
+            yield from schema_nodes(sub["items"], prefix + name + "[].")
+
+
+def schema_objects(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every sub-schema of type object, wherever it is (properties, items, anyOf)."""
+    if isinstance(node, Mapping):
+        if node.get("type") == "object":
+            yield path, node
+        for key, sub in node.items():
+            yield from schema_objects(sub, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, sub in enumerate(node):
+            yield from schema_objects(sub, f"{path}/{i}")
 
 
 def fiber_only(collected: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,16 +143,47 @@ def test_every_schema_key_has_a_description() -> None:
 
 
 def test_every_schema_object_rejects_unknown_keys() -> None:
-    objects = [
-        (key, node)
-        for key, node in schema_nodes(config.schema())
-        if node.get("type") == "object"
-    ]
-    assert objects, "the schema describes no objects?"
+    # The root is Dask's whole config and stays open; everything under fiber is
+    # closed, except maps whose keys are names the user chooses (environment
+    # variables, resource names): those constrain both keys and values.
+    objects = list(schema_objects(config.schema()["properties"]["fiber"]))
+    assert len(objects) > 5, "the schema describes no objects?"
+
+    def checked_map(node: Mapping[str, Any]) -> bool:
+        return (
+            "properties" not in node
+            and isinstance(node.get("additionalProperties"), Mapping)
+            and "pattern" in node.get("propertyNames", {})
+        )
+
     open_objects = [
-        key for key, node in objects if node.get("additionalProperties") is not False
+        path
+        for path, node in objects
+        if node.get("additionalProperties") is not False and not checked_map(node)
     ]
     assert open_objects == []
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("kubernetes.env", {"NOT A NAME": "1"}),
+        ("kubernetes.env", {"FLAG": True}),
+        ("kubernetes.resources", {"requets": {"cpu": 1}}),
+        ("kubernetes.resources", {"limits": {"memory": "lots"}}),
+        ("kubernetes.dask-resources", {"GPU": -1}),
+        ("kubernetes.worker-groups", [{"name": "gpu", "gpus": 1}]),
+        ("kubernetes.worker-groups", [{"n-workers": 1}]),
+        ("kubernetes.worker-groups", [{"name": "GPU"}]),
+        ("kubernetes.scheduler-service-type", "Ingress"),
+    ],
+)
+def test_kubernetes_maps_and_lists_are_checked(key: str, value: Any) -> None:
+    with (
+        dask.config.set({f"fiber.{key}": value}),
+        pytest.raises(config.ConfigError, match=f"fiber.{key}"),
+    ):
+        config.validate()
 
 
 def test_defaults_are_loaded_into_dask() -> None:
@@ -440,7 +489,13 @@ def test_validate_caches_but_sees_every_change() -> None:
 
 def test_there_are_adapters() -> None:
     names = {p.name for p in ADAPTERS}
-    assert {"local.yaml", "existing-cluster.yaml"} <= names
+    assert {
+        "local.yaml",
+        "local-adaptive.yaml",
+        "existing-cluster.yaml",
+        "kubernetes.yaml",
+        "kubernetes-adaptive.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", ADAPTERS, ids=lambda p: p.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 __all__ = ["Backend", "ClusterHandle", "route_host"]
 
@@ -22,6 +22,12 @@ class ClusterHandle:
     owned: bool = False
     backend: str = "address"
     listen_host: str | None = None
+    #: Task slots the backend sized the cluster for (its fixed size, or the
+    #: adaptive maximum), known before any worker has joined; None if unknown.
+    planned_slots: int | None = None
+    #: For owned clusters that are not a ``SpecCluster`` (Kubernetes): called with
+    #: the number of task slots needed at once, grows the cluster if it is smaller.
+    grow: Callable[[int], None] | None = None
 
     def close(self) -> None:
         if self.owned:

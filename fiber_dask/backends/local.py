@@ -47,6 +47,13 @@ class LocalBackend(Backend):
             cluster.close()
             raise
         host = config.get("listen-host") or "127.0.0.1"
-        return ClusterHandle(
+        handle = ClusterHandle(
             client, cluster, owned=True, backend=self.name, listen_host=host
         )
+        if adaptive:
+            # Pool() sizes itself for what adaptive scaling may start, not for the
+            # minimum that is running when it is created.
+            handle.planned_slots = (
+                config.get("adaptive.maximum") or n_workers
+            ) * config.get("local.threads-per-worker")
+        return handle

@@ -1,0 +1,420 @@
+"""The Kubernetes resources of a ``fiber.kubernetes`` profile, as plain dicts.
+
+:func:`manifests` is what ``fiber-dask kubernetes manifest`` prints for
+``kubectl apply -f -``; the ``kubernetes`` backend creates exactly the same
+resources through dask-kubernetes' ``KubeCluster``.  Both start from
+:func:`plan`, which is pure: it reads only the configuration it is given.
+
+The resources are those of the dask-kubernetes operator:
+
+* a ``DaskCluster`` (scheduler Deployment + Service and the ``default`` worker
+  group; the operator creates those), built with dask-kubernetes'
+  ``make_cluster_spec`` / ``make_worker_spec``;
+* a ``DaskWorkerGroup`` per entry of ``fiber.kubernetes.worker-groups``;
+* a ``DaskAutoscaler`` when ``fiber.adaptive.enabled`` is true.
+
+What fiber-dask changes in dask-kubernetes' templates, and why:
+
+* the commands are ``dask scheduler`` / ``dask worker``: distributed no longer
+  installs the ``dask-scheduler`` / ``dask-worker`` scripts the templates use;
+* workers run ``--nthreads fiber.kubernetes.threads-per-worker`` (1: one task per
+  process, as in multiprocessing) and ``--resources`` from ``dask-resources``;
+* the scheduler gets the ``fiber.adaptive`` knobs as ``DASK_DISTRIBUTED__ADAPTIVE__*``
+  and its HTTP API (``distributed.http.scheduler.api``): the operator retires
+  workers through it before deleting their pods (graceful scale-down); without
+  it, it falls back to an RPC that breaks when the operator's and the image's
+  versions differ, and then to deleting the newest pods, running tasks and all;
+* quantities and environment values are strings (the CRDs' schemas say so) and
+  nulls are left out (the API server would prune them).
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask.config
+
+from .. import config
+from ..config import ConfigError, Problem
+
+__all__ = [
+    "manifests",
+    "plan",
+    "Plan",
+    "effective_config",
+    "require_dask_kubernetes",
+]
+
+API_VERSION = "kubernetes.dask.org/v1"
+#: Longest DaskCluster name: the operator adds "-scheduler" and the result is a
+#: 63-character DNS label (dask_kubernetes.constants.MAX_CLUSTER_NAME_LEN).
+MAX_NAME = 63 - len("-scheduler")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_API_ROUTE = "distributed.http.scheduler.api"
+
+
+@dataclass
+class Plan:
+    """What a profile asks for: the documents, and what the backend needs to know."""
+
+    name: str
+    namespace: str | None
+    cluster: dict[str, Any]
+    #: (group name as given to ``KubeCluster.add_worker_group``, DaskWorkerGroup)
+    worker_groups: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    autoscaler: dict[str, Any] | None = None
+    #: Workers of the default group at start, and the adaptive bounds if enabled.
+    n_workers: int = 0
+    adaptive: tuple[int, int] | None = None
+    threads_per_worker: int = 1
+
+    def documents(self) -> list[dict[str, Any]]:
+        docs = [self.cluster] + [doc for _, doc in self.worker_groups]
+        if self.autoscaler is not None:
+            docs.append(self.autoscaler)
+        return docs
+
+
+def manifests(cfg: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The Kubernetes resources ``kubectl apply -f -`` needs for a fiber-dask profile.
+
+    Parameters
+    ----------
+    cfg : mapping, optional
+        The ``fiber`` configuration (the contents of the ``fiber:`` key); keys it
+        leaves out take their defaults.  Default: ``dask.config.get("fiber")``.
+
+    Returns
+    -------
+    list of dict
+        The ``DaskCluster``, a ``DaskWorkerGroup`` per extra worker group, and a
+        ``DaskAutoscaler`` if adaptive scaling is enabled, in that order.
+
+    Raises
+    ------
+    ConfigError
+        If the configuration is invalid, or lacks what a cluster needs (an image,
+        a fixed name, both adaptive bounds), or says ``attach: true`` (the cluster
+        exists: there is nothing to apply).
+
+    Examples
+    --------
+    >>> from fiber_dask.backends.kubemanifest import manifests
+    >>> docs = manifests({"kubernetes": {"name": "demo", "image": "example/img:1"}})
+    >>> [d["kind"] for d in docs]
+    ['DaskCluster']
+    """
+    cfg = effective_config(cfg)
+    if cfg["kubernetes"].get("attach"):
+        raise _error(
+            [
+                _problem(
+                    "kubernetes.attach",
+                    True,
+                    "the profile attaches to an existing DaskCluster, so there is "
+                    "nothing to create",
+                    "false, to describe a cluster fiber-dask would create",
+                )
+            ]
+        )
+    return plan(cfg).documents()
+
+
+def effective_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``cfg`` over fiber-dask's defaults, checked against the schema."""
+    if cfg is None:
+        return config.validate()
+    merged = dask.config.merge(
+        copy.deepcopy(config.defaults["fiber"]), copy.deepcopy(dict(cfg))
+    )
+    with dask.config.set({"fiber": merged}):
+        return config.validate()
+
+
+def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
+    """Build the resources of an effective, schema-valid ``fiber`` config.
+
+    ``default_name`` is used when ``fiber.kubernetes.name`` is null (the backend
+    passes a fresh random name; a manifest needs a fixed one).
+    """
+    operator = require_dask_kubernetes()
+    make_cluster_spec, make_worker_spec = (
+        operator.make_cluster_spec,
+        operator.make_worker_spec,
+    )
+
+    k = cfg["kubernetes"]
+    adaptive_cfg = cfg["adaptive"]
+    problems: list[Problem] = []
+
+    name = _cluster_name(k.get("name"), default_name, problems)
+    image = k.get("image")
+    if not image:
+        problems.append(
+            _problem(
+                "kubernetes.image",
+                image,
+                "an image is needed to create a cluster",
+                "an image that contains fiber-dask, your code and its dependencies "
+                "(see adapters/kubernetes/README.md)",
+            )
+        )
+    adaptive: tuple[int, int] | None = None
+    if adaptive_cfg.get("enabled"):
+        low, high = adaptive_cfg.get("minimum"), adaptive_cfg.get("maximum")
+        if high is None:
+            problems.append(
+                _problem(
+                    "adaptive.maximum",
+                    None,
+                    "the kubernetes backend needs an upper bound (the operator's "
+                    "DaskAutoscaler requires both)",
+                    f"an integer >= fiber.adaptive.minimum ({low})",
+                )
+            )
+        else:
+            adaptive = (int(low), int(high))
+    groups = list(k.get("worker-groups") or [])
+    seen: set[str] = set()
+    for i, group in enumerate(groups):
+        gname = group["name"]
+        key = f"kubernetes.worker-groups.{i}.name"
+        if gname == "default" or gname in seen:
+            problems.append(
+                _problem(
+                    key,
+                    gname,
+                    "duplicate worker group name"
+                    if gname in seen
+                    else "'default' is the name of the cluster's own group",
+                    "a name not used by another group",
+                )
+            )
+        elif name and len(f"{name}-{gname}") > 63:
+            problems.append(
+                _problem(
+                    key,
+                    gname,
+                    f"'{name}-{gname}' (the DaskWorkerGroup's name) is longer than "
+                    "63 characters",
+                    "a shorter group or cluster name",
+                )
+            )
+        seen.add(gname)
+    if problems:
+        raise _error(problems)
+    assert name is not None and image
+
+    threads = int(k["threads-per-worker"])
+    n_workers = adaptive[0] if adaptive else int(k["n-workers"])
+    env = _env(k.get("env"))
+    resources = _resources(k.get("resources"))
+    sched_resources = (
+        resources
+        if k.get("scheduler-resources") is None
+        else _resources(k["scheduler-resources"])
+    )
+
+    cluster = make_cluster_spec(
+        name=name,
+        image=image,
+        n_workers=n_workers,
+        resources=resources,
+        env=env,
+        worker_command=_worker_command(threads, k.get("dask-resources")),
+        scheduler_service_type=k["scheduler-service-type"],
+    )
+    scheduler = cluster["spec"]["scheduler"]["spec"]["containers"][0]
+    scheduler["args"] = ["dask", "scheduler", "--host", "0.0.0.0"]
+    scheduler["resources"] = sched_resources
+    scheduler["env"] = (env or []) + _scheduler_env(adaptive_cfg)
+    cluster["metadata"] = _metadata(name, k.get("namespace"))
+    # The operator fills in spec.idleTimeout's default (0, never) itself.
+    cluster["spec"].pop("idleTimeout", None)
+
+    worker_groups = []
+    for group in groups:
+        gthreads = group.get("threads-per-worker") or threads
+        genv = dict(k.get("env") or {})
+        genv.update(group.get("env") or {})
+        spec = make_worker_spec(
+            image=group.get("image") or image,
+            n_workers=int(group.get("n-workers", 1)),
+            resources=resources
+            if group.get("resources") is None
+            else _resources(group["resources"]),
+            env=_env(genv),
+            worker_command=_worker_command(gthreads, group.get("dask-resources")),
+        )
+        # The same document KubeCluster.add_worker_group(name, custom_spec=spec)
+        # creates.
+        doc = {
+            "apiVersion": API_VERSION,
+            "kind": "DaskWorkerGroup",
+            "metadata": _metadata(f"{name}-{group['name']}", k.get("namespace")),
+            "spec": {"cluster": name, "worker": spec},
+        }
+        worker_groups.append((group["name"], _prune(doc)))
+
+    autoscaler = None
+    if adaptive is not None:
+        # What KubeCluster.adapt(minimum, maximum) creates (it also puts two label
+        # keys straight into metadata, where the API server drops them).
+        autoscaler = {
+            "apiVersion": API_VERSION,
+            "kind": "DaskAutoscaler",
+            "metadata": _metadata(name, k.get("namespace")),
+            "spec": {"cluster": name, "minimum": adaptive[0], "maximum": adaptive[1]},
+        }
+    return Plan(
+        name=name,
+        namespace=k.get("namespace"),
+        cluster=_prune(cluster),
+        worker_groups=worker_groups,
+        autoscaler=autoscaler,
+        n_workers=n_workers,
+        adaptive=adaptive,
+        threads_per_worker=threads,
+    )
+
+
+def require_dask_kubernetes() -> Any:
+    """``dask_kubernetes.operator``, or an ImportError that says how to install it."""
+    try:
+        import dask_kubernetes.operator as operator
+    except ImportError as e:
+        raise ImportError(
+            "the kubernetes backend needs dask-kubernetes, which is not installed "
+            f'({e}): pip install "fiber-dask[kubernetes]"'
+        ) from e
+    return operator
+
+
+# ------------------------------------------------------------------------ pieces
+
+
+def _cluster_name(
+    template: str | None, default: str | None, problems: list[Problem]
+) -> str | None:
+    if template is None:
+        if default is None:
+            problems.append(
+                _problem(
+                    "kubernetes.name",
+                    None,
+                    "a manifest needs a fixed cluster name",
+                    "a name of lower-case letters, digits and '-'",
+                )
+            )
+        return default
+    try:
+        name = template.format(user=getpass.getuser(), uuid=uuid.uuid4().hex[:10])
+    except (KeyError, IndexError, ValueError) as e:
+        problems.append(
+            _problem(
+                "kubernetes.name",
+                template,
+                f"cannot fill in the name template ({e!r})",
+                "a name; the only placeholders are {user} and {uuid}",
+            )
+        )
+        return None
+    if len(name) > MAX_NAME or not _NAME.match(name):
+        shown = "" if name == template else f" (filled in: {name!r})"
+        problems.append(
+            _problem(
+                "kubernetes.name",
+                template,
+                f"not a valid DaskCluster name{shown}",
+                f"lower-case letters, digits and '-', starting and ending with a "
+                f"letter or digit, at most {MAX_NAME} characters",
+            )
+        )
+        return None
+    return name
+
+
+def _metadata(name: str, namespace: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if namespace:
+        meta["namespace"] = namespace
+    return meta
+
+
+def _worker_command(threads: int, dask_resources: Mapping | None) -> list[str]:
+    command = ["dask", "worker", "--nthreads", str(threads)]
+    if dask_resources:
+        command += [
+            "--resources",
+            ",".join(f"{k}={_number(v)}" for k, v in dask_resources.items()),
+        ]
+    return command
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def _env(env: Mapping[str, Any] | None) -> list[dict[str, str]] | None:
+    if not env:
+        return None
+    return [{"name": str(k), "value": _number(v)} for k, v in env.items()]
+
+
+def _resources(res: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Container resources with every quantity a string; None when empty."""
+    out = {}
+    for kind in ("requests", "limits"):
+        values = (res or {}).get(kind) or {}
+        if values:
+            out[kind] = {str(k): _number(v) for k, v in values.items()}
+    return out or None
+
+
+def _scheduler_env(adaptive: Mapping[str, Any]) -> list[dict[str, str]]:
+    routes = list(dask.config.get("distributed.scheduler.http.routes", []))
+    if _API_ROUTE not in routes:
+        routes.append(_API_ROUTE)
+    env = [
+        # dask reads a list from an environment variable as a Python literal.
+        {
+            "name": "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES",
+            "value": json.dumps(routes),
+        }
+    ]
+    if adaptive.get("enabled"):
+        for key in ("target-duration", "interval", "wait-count"):
+            var = "DASK_DISTRIBUTED__ADAPTIVE__" + key.upper().replace("-", "_")
+            env.append({"name": var, "value": _number(adaptive[key])})
+    return env
+
+
+def _prune(obj: Any) -> Any:
+    """Drop None values, as the API server prunes nulls from custom resources."""
+    if isinstance(obj, Mapping):
+        return {k: _prune(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_prune(v) for v in obj]
+    return obj
+
+
+def _problem(key: str, value: Any, reason: str, allowed: str) -> Problem:
+    parts = ["fiber", *key.split(".")]
+    source = config._find_source(parts, value, [])
+    return Problem(".".join(parts), value, reason, allowed, source)
+
+
+def _error(problems: list[Problem]) -> ConfigError:
+    n = len(problems)
+    header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
+    body = "\n\n".join(str(p) for p in problems)
+    return ConfigError(f"{header}\n\n{body}", problems)

@@ -1,0 +1,372 @@
+"""Kubernetes without a cluster: the operator's CRD schemas as the API server
+applies them, and an in-memory API server (kmock) for the real operator.
+
+* :func:`validate_custom_resource` checks a document against the
+  ``openAPIV3Schema`` of the CRDs shipped in the installed dask-kubernetes, the
+  way the API server does with ``kubectl apply`` (field validation ``Strict``):
+  nulls are pruned where the schema does not say ``nullable``, then a field the
+  structural schema does not describe is an error (unless under
+  ``x-kubernetes-preserve-unknown-fields``), and types, enums and required
+  fields are checked.
+* :class:`Emulator` is kmock's ``KubernetesEmulator`` with the few things the
+  dask-kubernetes operator relies on and kmock leaves out: objects get
+  ``metadata.resourceVersion``/``uid``/``creationTimestamp`` on create, nulls
+  are pruned like the API server does, and ``labelSelector`` filters lists and
+  watches (the operator counts a group's worker Deployments by label).
+  :func:`running_operator` runs the operator's kopf controller against it in a
+  thread.  No pod ever runs: this shows what the operator creates from our
+  resources, not that the pods start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import os
+import pathlib
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import yaml
+
+CRD_DIR = (
+    pathlib.Path(__import__("dask_kubernetes").__file__).parent
+    / "operator/deployment/helm/dask-kubernetes-operator/crds"
+)
+
+# ObjectMeta fields a client may set (the rest are set by the API server).
+_META_FIELDS = {
+    "name",
+    "generateName",
+    "namespace",
+    "labels",
+    "annotations",
+    "finalizers",
+    "ownerReferences",
+}
+_DNS_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+
+
+# --------------------------------------------------------------- CRD validation
+
+
+def load_crds() -> dict[str, dict[str, Any]]:
+    """kind -> CRD, from the dask-kubernetes package."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 900 kB of YAML
+    crds = {}
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        crd = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 (safe loader)
+        crds[crd["spec"]["names"]["kind"]] = crd
+    return crds
+
+
+def strict_schema(schema: Any) -> Any:
+    """The CRD schema with unknown fields rejected, as the API server's pruning
+    (reported as errors in Strict field validation) treats them.
+
+    An object schema without ``additionalProperties`` describes exactly its
+    ``properties``; ``x-kubernetes-preserve-unknown-fields: true`` keeps a subtree
+    open; ``x-kubernetes-int-or-string`` accepts both types.
+    """
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if out.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if (
+        out.get("type") == "object"
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out.setdefault("properties", {})
+        out["additionalProperties"] = False
+    if out.get("nullable"):
+        t = out.get("type")
+        if isinstance(t, str):
+            out["type"] = [t, "null"]
+    return out
+
+
+def prune_nulls(data: Any, schema: Any) -> Any:
+    """Drop null fields whose schema is not ``nullable``, as the API server does
+    for custom resources before validating."""
+    if isinstance(data, Mapping):
+        props = (
+            (schema or {}).get("properties", {}) if isinstance(schema, Mapping) else {}
+        )
+        extra = (
+            schema.get("additionalProperties") if isinstance(schema, Mapping) else None
+        )
+        out = {}
+        for key, value in data.items():
+            sub = props.get(key, extra if isinstance(extra, Mapping) else {})
+            if value is None and not (isinstance(sub, Mapping) and sub.get("nullable")):
+                continue
+            out[key] = prune_nulls(value, sub)
+        return out
+    if isinstance(data, list):
+        items = schema.get("items", {}) if isinstance(schema, Mapping) else {}
+        return [prune_nulls(v, items) for v in data]
+    return data
+
+
+def validate_custom_resource(doc: Mapping[str, Any], crds: Mapping[str, Any]) -> None:
+    """Raise AssertionError / jsonschema.ValidationError if the API server would
+    reject ``doc`` (a dask-kubernetes custom resource)."""
+    import jsonschema
+
+    kind = doc.get("kind")
+    assert kind in crds, f"unknown kind {kind!r}"
+    crd = crds[kind]
+    (version,) = [v for v in crd["spec"]["versions"] if v.get("served")]
+    assert doc.get("apiVersion") == f"{crd['spec']['group']}/{version['name']}"
+    meta = doc.get("metadata") or {}
+    assert set(meta) <= _META_FIELDS, (
+        f"unknown metadata fields {set(meta) - _META_FIELDS}"
+    )
+    name = meta.get("name", "")
+    assert len(name) <= 253 and _DNS_SUBDOMAIN.match(name), f"bad name {name!r}"
+    for key in ("labels", "annotations"):
+        for k, v in (meta.get(key) or {}).items():
+            assert isinstance(k, str) and isinstance(v, str), (key, k, v)
+    schema = version["schema"]["openAPIV3Schema"]
+    body = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
+    body = prune_nulls(body, schema)
+    top = copy.deepcopy(schema)
+    # apiVersion, kind and metadata are the API server's, checked above.
+    for key in ("apiVersion", "kind", "metadata"):
+        top.get("properties", {}).pop(key, None)
+    jsonschema.Draft7Validator(strict_schema(top)).validate(body)
+
+
+# ------------------------------------------------------------ the API emulator
+
+
+def _matches(obj: Mapping[str, Any], selector: str) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        term = term.replace("==", "=")
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _prune(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _prune(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_prune(v) for v in obj]
+    return obj
+
+
+def _emulator_class() -> type:
+    import kmock
+
+    versions = itertools.count(1)
+
+    class Emulator(kmock.KubernetesEmulator):
+        async def _handle(self, request):  # noqa: ANN001
+            data = request.data
+            if request.resource is not None and isinstance(data, dict):
+                if request.action == kmock.action.CREATE:
+                    clean = _prune(data)
+                    meta = clean.setdefault("metadata", {})
+                    meta.setdefault("uid", str(uuid.uuid4()))
+                    meta.setdefault(
+                        "creationTimestamp",
+                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    )
+                    if request.namespace:
+                        meta.setdefault("namespace", request.namespace)
+                    meta["resourceVersion"] = str(next(versions))
+                    data.clear()
+                    data.update(clean)
+                elif request.action == kmock.action.UPDATE:
+                    meta = data.setdefault("metadata", {})
+                    if isinstance(meta, dict):
+                        meta["resourceVersion"] = str(next(versions))
+            return await super()._handle(request)
+
+        async def _serve_list(self, request):  # noqa: ANN001
+            result = await super()._serve_list(request)
+            selector = request.params.get("labelSelector")
+            if selector:
+                result["items"] = [o for o in result["items"] if _matches(o, selector)]
+            return result
+
+        async def _serve_watch(self, request):  # noqa: ANN001
+            selector = request.params.get("labelSelector")
+            async for event in super()._serve_watch(request):
+                obj = event.get("object", {}) if isinstance(event, dict) else None
+                if selector and obj is not None and not _matches(obj, selector):
+                    continue
+                yield event
+
+    return Emulator
+
+
+class KubeAPI:
+    """A running emulator: its URL, a kubeconfig for it, and its objects."""
+
+    def __init__(self, url: str, kubeconfig: str, emulator: Any) -> None:
+        self.url, self.kubeconfig, self.emulator = url, kubeconfig, emulator
+
+    def names(self, plural: str, namespace: str = "default") -> list[str]:
+        """Names of the live objects of a resource ("deployments", "daskclusters")."""
+        out = []
+        for (resource, ns, name), obj in list(self.emulator.objects.items()):
+            if resource.plural == plural and ns == namespace and not obj.deleted:
+                out.append(name)
+        return sorted(out)
+
+    def get(self, plural: str, name: str, namespace: str = "default") -> dict[str, Any]:
+        for (resource, ns, n), obj in list(self.emulator.objects.items()):
+            if resource.plural == plural and ns == namespace and n == name:
+                if not obj.deleted:
+                    return copy.deepcopy(obj.raw)
+        raise KeyError((plural, namespace, name))
+
+
+@contextlib.contextmanager
+def kube_api(tmp_dir: pathlib.Path) -> Iterator[KubeAPI]:
+    """An in-memory Kubernetes API with the dask-kubernetes CRDs, in a thread."""
+    import kmock
+
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with _emulator_class()() as emulator, kmock.Server(emulator) as server:
+            emulator.resources.load_bundled()
+            # kr8s asks for /version/ (with the slash)
+            emulator.fallback["get /version/"] << emulator._serve_server_version
+            for kind, crd in load_crds().items():
+                names = crd["spec"]["names"]
+                emulator.resources[f"{crd['spec']['group']}/v1/{names['plural']}"] = (
+                    kmock.ResourceInfo(
+                        kind=kind,
+                        singular=names["singular"],
+                        namespaced=True,
+                        verbs={
+                            "create",
+                            "delete",
+                            "get",
+                            "list",
+                            "patch",
+                            "update",
+                            "watch",
+                        },
+                        shortnames=set(names.get("shortNames", [])),
+                        subresources={"status", "scale"},
+                    )
+                )
+            box["emulator"], box["url"] = emulator, str(server.url).rstrip("/")
+            box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            ready.set()
+            await box["stop"].wait()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the Kubernetes emulator did not start"
+    kubeconfig = tmp_dir / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": box["url"]}}],
+                "contexts": [
+                    {
+                        "name": "emulator",
+                        "context": {
+                            "cluster": "emulator",
+                            "user": "emulator",
+                            "namespace": "default",
+                        },
+                    }
+                ],
+                "users": [{"name": "emulator", "user": {"token": "not-a-secret"}}],
+            }
+        )
+    )
+    try:
+        yield KubeAPI(box["url"], str(kubeconfig), box["emulator"])
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+
+
+@contextlib.contextmanager
+def running_operator() -> Iterator[None]:
+    """The dask-kubernetes operator's kopf controller, in a thread, cluster-wide.
+
+    Uses the kubeconfig in $KUBECONFIG (set it to the emulator's first).
+    """
+    import dask_kubernetes.operator.controller.controller  # noqa: F401 (handlers)
+    import kopf
+
+    box: dict[str, Any] = {}
+    started = threading.Event()
+
+    async def main() -> None:
+        box["loop"], box["flag"] = asyncio.get_running_loop(), asyncio.Event()
+        started.set()
+        await kopf.operator(clusterwide=True, standalone=True, stop_flag=box["flag"])
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            box["error"] = e
+            started.set()
+
+    thread = threading.Thread(target=run, name="kopf-operator", daemon=True)
+    thread.start()
+    assert started.wait(30), "the operator did not start"
+    try:
+        yield
+    finally:
+        if "loop" in box:
+            box["loop"].call_soon_threadsafe(box["flag"].set)
+        thread.join(15)
+        assert not thread.is_alive(), "the operator did not stop"
+        if "error" in box:
+            raise box["error"]
+
+
+def wait_for(predicate: Any, timeout: float = 20.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def env_kubeconfig(path: str) -> dict[str, str]:
+    return {**os.environ, "KUBECONFIG": path}
