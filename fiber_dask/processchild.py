@@ -92,6 +92,13 @@ def main() -> int:
 
     import cloudpickle  # noqa: F401  (unpickling cloudpickled objects needs it)
 
+    from fiber_dask import swap
+
+    # Under `fiber-dask run --swap-multiprocessing` the user's modules imported by
+    # the unpickling below must get fiber_dask as their multiprocessing, as they do
+    # on the worker (the spec arrives in the environment inherited from it).
+    swap.install_from_environ()
+
     try:
         cls, state = pickle.loads(blob)
     except BaseException:
