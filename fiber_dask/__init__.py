@@ -16,7 +16,12 @@ from multiprocessing import (
 from . import config  # noqa: F401  (loads the fiber.* defaults into dask.config)
 from .cluster import init, shutdown
 from .context import DaskContext, default_context, get_context
-from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from .errors import (
+    ClusterConnectionError,
+    ManagerConnectionError,
+    PoolTerminatedError,
+    WorkerLostError,
+)
 from .meta import meta
 
 __version__ = "0.1.0"
@@ -27,6 +32,7 @@ __all__ = [
     "ProcessError",
     "TimeoutError",
     "ClusterConnectionError",
+    "ManagerConnectionError",
     "PoolTerminatedError",
     "WorkerLostError",
     "DaskContext",

@@ -291,26 +291,30 @@ def _auto(
     return proxy
 
 
-def AutoProxy(
-    token: Any,
-    serializer: str,
-    manager: Any = None,
-    authkey: Any = None,  # noqa: N802
-    exposed: Any = None,
-    incref: bool = True,
-    manager_owned: bool = False,
-) -> Any:
-    """A proxy for ``token`` exposing the referent's public methods."""
-    return _auto(
-        MakeProxyType,
-        token,
-        serializer,
-        manager,
-        authkey,
-        exposed,
-        incref,
-        manager_owned,
-    )
+def _auto_proxy_function(maker: Any, name: str, doc: str) -> Any:
+    """The stdlib's ``AutoProxy`` signature, building types with ``maker``."""
+
+    def auto_proxy(
+        token: Any,
+        serializer: str,
+        manager: Any = None,
+        authkey: Any = None,
+        exposed: Any = None,
+        incref: bool = True,
+        manager_owned: bool = False,
+    ) -> Any:
+        return _auto(
+            maker, token, serializer, manager, authkey, exposed, incref, manager_owned
+        )
+
+    auto_proxy.__name__ = auto_proxy.__qualname__ = name
+    auto_proxy.__doc__ = doc
+    return auto_proxy
+
+
+AutoProxy = _auto_proxy_function(
+    MakeProxyType, "AutoProxy", "A proxy for a token exposing the referent's methods."
+)
 
 
 def proxy_type_for(stdlib_type: type, module: str | None = None) -> type:
@@ -474,23 +478,8 @@ def MakeAsyncProxyType(name: str, exposed: Any, _cache: dict = {}) -> type:  # n
     return _make_type(AsyncBaseProxy, name, exposed, _cache)
 
 
-def AsyncAutoProxy(
-    token: Any,
-    serializer: str,
-    manager: Any = None,
-    authkey: Any = None,  # noqa: N802
-    exposed: Any = None,
-    incref: bool = True,
-    manager_owned: bool = False,
-) -> Any:
-    """An async proxy for ``token`` exposing the referent's public methods."""
-    return _auto(
-        MakeAsyncProxyType,
-        token,
-        serializer,
-        manager,
-        authkey,
-        exposed,
-        incref,
-        manager_owned,
-    )
+AsyncAutoProxy = _auto_proxy_function(
+    MakeAsyncProxyType,
+    "AsyncAutoProxy",
+    "An async proxy for a token exposing the referent's methods.",
+)
