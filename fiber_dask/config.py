@@ -42,6 +42,7 @@ __all__ = [
     "defaults",
     "get",
     "schema",
+    "sources",
     "timedelta",
     "validate",
 ]
@@ -483,6 +484,49 @@ def _reason(error: jsonschema.ValidationError) -> str:
 # --------------------------------------------------------------- where values come from
 
 
+def sources(
+    *, extra_paths: Iterable[str | os.PathLike[str]] = ()
+) -> list[tuple[str, Any, str]]:
+    """Every setting of the current ``fiber`` configuration and where it came from.
+
+    Parameters
+    ----------
+    extra_paths : iterable of path-like, optional
+        Further YAML files or directories the configuration was loaded from (e.g. a
+        ``--config FILE`` option), as for :func:`validate`.
+
+    Returns
+    -------
+    list of (key, value, source)
+        One entry per leaf of the schema (a mapping the schema does not describe
+        key by key, such as ``kubernetes.env``, is one value), in config order.
+        ``source`` is ``"default"``, ``"environment variable DASK_FIBER__..."``,
+        ``"file /path/to.yaml"``, the inherited parent config, or
+        ``"set in code (dask.config.set)"``.
+
+    Examples
+    --------
+    >>> from fiber_dask import config
+    >>> dict((k, s) for k, _, s in config.sources())["fiber.pool.prefetch"]
+    'default'
+    """
+    fiber_schema = schema()["properties"]["fiber"]
+    current = _canonicalize(dask.config.get("fiber", default={}), fiber_schema)
+    paths = [os.fspath(p) for p in extra_paths]
+    found: list[tuple[str, Any, str]] = []
+
+    def walk(data: Any, node: Mapping[str, Any], parts: list[str]) -> None:
+        properties = node.get("properties")
+        if isinstance(data, Mapping) and properties:
+            for key, value in data.items():
+                walk(value, properties.get(key, {}), [*parts, str(key)])
+        else:
+            found.append((".".join(parts), data, _find_source(parts, data, paths)))
+
+    walk(current, fiber_schema, ["fiber"])
+    return found
+
+
 def _find_source(parts: list[str], value: Any, extra_paths: Sequence[str]) -> str:
     """Name where ``value`` at ``parts`` came from, checking sources by priority.
 
@@ -522,6 +566,11 @@ def _find_source(parts: list[str], value: Any, extra_paths: Sequence[str]) -> st
         found, sub = _walk(data, parts)
         if found and _freeze(sub) == want:
             return f"file {path}"
+
+    # 4. fiber-dask's own defaults (fiber.yaml), when nothing above set the key.
+    found, sub = _walk(defaults, parts)
+    if found and _freeze(sub) == want:
+        return "default"
 
     return "set in code (dask.config.set)"
 

@@ -1,0 +1,138 @@
+"""``fiber-dask info``: which cluster the configuration gives, and what is in it."""
+
+from __future__ import annotations
+
+import json
+import platform
+from typing import Any
+
+import click
+
+from ._common import CONTEXT_SETTINGS, CLIError, cluster_options, config_option
+
+
+@click.command("info", context_settings=CONTEXT_SETTINGS)
+@config_option
+@cluster_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def info(
+    config_files: tuple[str, ...],
+    backend: str | None,
+    address: str | None,
+    as_json: bool,
+) -> None:
+    """Connect as a program would and describe the cluster.
+
+    Prints the backend, the scheduler address, the workers with their threads and
+    memory, and the dashboard link.  A cluster that fiber-dask starts for this
+    (the embedded one, a new Kubernetes cluster) is closed again afterwards; one it
+    attaches to keeps running.
+    """
+    from ._common import apply_config
+
+    loaded = apply_config(config_files, backend=backend, address=address)
+
+    import fiber_dask
+    from fiber_dask import cluster
+    from fiber_dask.errors import ClusterConnectionError
+
+    try:
+        handle = cluster.get_handle()
+    except ClusterConnectionError as e:
+        raise CLIError(str(e)) from None
+    except (fiber_dask.config.ConfigError, OSError) as e:
+        raise CLIError(f"cannot start or reach the cluster: {e}") from None
+    except TimeoutError as e:
+        raise CLIError(f"timed out starting or reaching the cluster: {e}") from None
+    try:
+        data = _describe(handle, loaded.fiber)
+    finally:
+        fiber_dask.shutdown()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    _print(data)
+
+
+def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
+    import dask
+    import distributed
+    from dask.utils import parse_timedelta
+
+    import fiber_dask
+
+    client = handle.client
+    adaptive = fiber.get("adaptive", {})
+    if handle.owned and handle.cluster is not None and not adaptive.get("enabled"):
+        # A cluster we just started: let its workers finish registering.
+        expected = len(getattr(handle.cluster, "worker_spec", {}) or {})
+        if expected:
+            timeout = parse_timedelta(fiber.get("connect-timeout"), default="seconds")
+            try:
+                client.wait_for_workers(expected, timeout=timeout)
+            except (TimeoutError, OSError):
+                pass  # report what is there
+    sched = client.scheduler_info(n_workers=-1)
+    workers = sched.get("workers", {})
+    try:
+        dashboard = client.dashboard_link if sched.get("services") else None
+    except Exception:  # noqa: BLE001 - no dashboard is not an error here
+        dashboard = None
+    try:
+        import bokeh  # noqa: F401
+
+        has_bokeh = True
+    except ImportError:
+        has_bokeh = False
+    return {
+        "backend": handle.backend,
+        "owned": bool(handle.owned),
+        "scheduler": client.scheduler.address,
+        "workers": len(workers),
+        "threads": sum(int(w.get("nthreads") or 0) for w in workers.values()),
+        "memory": sum(int(w.get("memory_limit") or 0) for w in workers.values()),
+        "adaptive": (
+            {"minimum": adaptive.get("minimum"), "maximum": adaptive.get("maximum")}
+            if adaptive.get("enabled")
+            else None
+        ),
+        "dashboard": dashboard,
+        "dashboard_needs_bokeh": bool(dashboard) and not has_bokeh,
+        "versions": {
+            "fiber-dask": fiber_dask.__version__,
+            "dask": dask.__version__,
+            "distributed": distributed.__version__,
+            "python": platform.python_version(),
+        },
+    }
+
+
+def _print(data: dict[str, Any]) -> None:
+    from dask.utils import format_bytes
+
+    owned = (
+        "started for this command, closed again"
+        if data["owned"]
+        else "attached; left running"
+    )
+    memory = format_bytes(data["memory"]) if data["memory"] else "no limit"
+    rows = [
+        ("backend", f"{data['backend']} ({owned})"),
+        ("scheduler", data["scheduler"]),
+        ("workers", str(data["workers"])),
+        ("threads", f"{data['threads']} (tasks at once)"),
+        ("memory", f"{memory} (sum of worker limits)"),
+    ]
+    if data["adaptive"]:
+        a = data["adaptive"]
+        rows.append(("adaptive", f"minimum {a['minimum']}, maximum {a['maximum']}"))
+    dashboard = data["dashboard"] or "not served"
+    if data["dashboard_needs_bokeh"]:
+        dashboard += " (install bokeh to see it: pip install 'fiber-dask[diagnostics]')"
+    rows.append(("dashboard", dashboard))
+    rows.append(
+        ("versions", ", ".join(f"{k} {v}" for k, v in data["versions"].items()))
+    )
+    width = max(len(k) for k, _ in rows) + 1
+    for key, value in rows:
+        click.echo(f"{(key + ':').ljust(width)} {value}")
