@@ -7,8 +7,9 @@ and fiber-dask, Ray and IPyParallel all send ``benchmarks.common.busy`` as a nam
 the worker imports. The benchmark puts the repository root on ``sys.path`` and on
 ``PYTHONPATH`` so that every worker process started on this machine can import it.
 
-The harness below (cleanup, report formatting, the command line's common options)
-serves ``overhead.py`` and ``queues.py``. Child processes import this module, so its
+The harness below (memory probes, cleanup, report formatting, the command line's
+common options) serves every benchmark; ``engines.py`` adds the engines compared and
+their life cycle. Child processes import this module, so its
 top level imports only the standard library: no dask, no psutil.
 """
 
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import math
 import os
 import platform
+import re
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -90,7 +94,122 @@ def format_cell(
     return s
 
 
+# ---------------------------------------------------------------- memory probes
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def _reset_peak() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int:
+    kb = _status_kb("VmRSS")
+    if kb is not None:
+        return kb * 1024
+    import resource  # no /proc: the best we have is the peak so far
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_bytes() -> int:
+    kb = _status_kb("VmHWM")
+    if kb is not None:
+        return kb * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakProbe:
+    """Peak RSS increase of this process between ``start()`` and ``stop()``."""
+
+    def start(self) -> PeakProbe:
+        gc.collect()
+        self.base = rss_bytes()
+        self.exact = _reset_peak()
+        return self
+
+    def stop(self) -> int:
+        return max(0, peak_bytes() - self.base)
+
+
+class SampledPeak:
+    """The parent's peak RSS increase: VmHWM reset where Linux allows, else psutil
+    sampled every millisecond in a thread."""
+
+    def __enter__(self) -> SampledPeak:
+        self.probe = PeakProbe().start()
+        self.max_rss = self.probe.base
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.probe.exact:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        try:
+            import psutil
+
+            me = psutil.Process()
+            while not self._stop.wait(0.001):
+                self.max_rss = max(self.max_rss, me.memory_info().rss)
+        except ImportError:
+            pass
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.probe.exact:
+            self.increase = self.probe.stop()
+        else:
+            self.increase = max(0, self.max_rss - self.probe.base)
+
+
 # --------------------------------------------------------------------------- harness
+
+
+def idle_cpu_percent(seconds: float) -> float:
+    """CPU used by this process and all its children while we sleep, in % of a core.
+
+    What the engines that are up burn in the background (heartbeats, monitors) --
+    CPU that every engine measured meanwhile on the same cores does not get.
+    """
+    if seconds <= 0:
+        return float("nan")
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+
+    def total() -> float:
+        t = 0.0
+        for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+            try:
+                c = p.cpu_times()
+                t += c.user + c.system
+            except psutil.Error:
+                pass
+        return t
+
+    before, t0 = total(), time.perf_counter()
+    time.sleep(seconds)
+    return 100 * (total() - before) / (time.perf_counter() - t0)
 
 
 def log(msg: str, quiet: bool = False) -> None:

@@ -48,9 +48,7 @@ import multiprocessing
 import os
 import platform
 import queue as stdqueue
-import re
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,6 +60,8 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402
     Harness,
+    PeakProbe,
+    SampledPeak,
     add_output_options,
     add_start_method_option,
     check_choices,
@@ -86,93 +86,6 @@ LATENCY_TARGET_MS = 1.0  # p50 put -> get
 BANDWIDTH_TARGET = 200.0  # MB/s, 10 MB payloads
 MEMORY_TARGET_X = 3.0  # peak RSS increase / object size
 START_TARGET_S = 0.5  # p.start() -> target running
-
-
-# --------------------------------------------------------------- memory probes
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-        return int(m.group(1)) if m else None
-    except OSError:
-        return None
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_bytes() -> int:
-    kb = _status_kb("VmRSS")
-    if kb is not None:
-        return kb * 1024
-    import resource  # no /proc: the best we have is the peak so far
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def peak_bytes() -> int:
-    kb = _status_kb("VmHWM")
-    if kb is not None:
-        return kb * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class PeakProbe:
-    """Peak RSS increase of this process between ``start()`` and ``stop()``."""
-
-    def start(self) -> PeakProbe:
-        gc.collect()
-        self.base = rss_bytes()
-        self.exact = _reset_peak()
-        return self
-
-    def stop(self) -> int:
-        return max(0, peak_bytes() - self.base)
-
-
-class SampledPeak:
-    """The parent's peak RSS increase: VmHWM reset where Linux allows, else psutil
-    sampled every millisecond in a thread."""
-
-    def __enter__(self) -> SampledPeak:
-        self.probe = PeakProbe().start()
-        self.max_rss = self.probe.base
-        self._stop = threading.Event()
-        self._thread = None
-        if not self.probe.exact:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        try:
-            import psutil
-
-            me = psutil.Process()
-            while not self._stop.wait(0.001):
-                self.max_rss = max(self.max_rss, me.memory_info().rss)
-        except ImportError:
-            pass
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.probe.exact:
-            self.increase = self.probe.stop()
-        else:
-            self.increase = max(0, self.max_rss - self.probe.base)
 
 
 # ------------------------------------------------ targets (run in the children)
