@@ -25,6 +25,7 @@ from .objserver import (
     get_object_server,
     keep_until_unused,
     resolve,
+    wait_for_holder,
 )
 
 __all__ = ["Pipe", "Connection"]
@@ -52,13 +53,16 @@ class _PipeState(ServedObject):
     def _ready(self, end: int) -> bool:
         return self.heads[end] < len(self.inbox[end]) or self._other_gone(end)
 
-    def poll(self, end: int, timeout: float | None) -> bool:
+    # ``session``: the holder's, when it asks over the channel (None: the owner).
+    def poll(self, end: int, timeout: float | None, session: Any = None) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: self._ready(end), timeout)
+            return wait_for_holder(
+                self.cond, lambda: self._ready(end), timeout, session
+            )
 
-    def recv(self, end: int) -> bytes:
+    def recv(self, end: int, session: Any = None) -> bytes:
         with self.cond:
-            self.cond.wait_for(lambda: self._ready(end))
+            wait_for_holder(self.cond, lambda: self._ready(end), None, session)
             box = self.inbox[end]
             if self.heads[end] >= len(box):
                 raise EOFError
@@ -88,12 +92,14 @@ class _PipeState(ServedObject):
             self.closed(args[0])
             return None
         if op == "recv":
-            blob = self.recv(*args)
+            blob = self.recv(*args, session)
             # Until acknowledged, a message handed to a holder that dies in
             # between goes back to the head of the buffer.
             session["pending"] = (args[0], blob)
             return blob
-        if op in ("send", "poll", "opened"):
+        if op == "poll":
+            return self.poll(*args, session)
+        if op in ("send", "opened"):
             return getattr(self, op)(*args)
         raise ValueError(f"unknown pipe operation {op!r}")
 

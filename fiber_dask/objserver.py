@@ -23,21 +23,76 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import socket
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
 
 from . import channel
 
-__all__ = ["ObjectServer", "Remote", "get_object_server", "NO_REPLY", "ServedObject"]
+__all__ = [
+    "ObjectServer",
+    "Remote",
+    "get_object_server",
+    "NO_REPLY",
+    "ServedObject",
+    "wait_for_holder",
+]
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "objects"
 _TCP_CORK = getattr(socket, "TCP_CORK", None)
 NO_REPLY = object()
+
+
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+_WAIT_SLICE = 1.0  # seconds between looks at a waiting holder's connection
+
+
+def holder_gone(session: dict) -> bool:
+    """Whether the holder of this session hung up or became unreachable (its
+    connection got a FIN or reset, or timed out), even while one of its
+    requests is still being served."""
+    fd = session.get("fd")
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, _HANGUP)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return True
+
+
+def wait_for_holder(
+    cond: threading.Condition, predicate: Any, timeout: float | None, session: Any
+) -> bool:
+    """``cond.wait_for(predicate, timeout)`` for a request of a holder, which
+    raises ``EOFError`` if the holder goes away meanwhile.
+
+    A served request that blocks (a Pipe's ``recv``) keeps its connection's
+    thread from reading the socket, so the end of the connection is not seen
+    there; without this, what the holder leaves behind (its copy of a pipe
+    end) would stay open for as long as it waits: forever for a dead process.
+    ``session`` None (the owner's own call) waits as ``wait_for``.
+    """
+    if session is None:
+        return cond.wait_for(predicate, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not predicate():
+        if holder_gone(session):
+            raise EOFError("the process that made this request is gone")
+        left = _WAIT_SLICE
+        if deadline is not None:
+            left = min(left, deadline - time.monotonic())
+            if left <= 0:
+                return False
+        cond.wait(left)
+    return True
 
 
 class ServedObject:
@@ -108,7 +163,7 @@ class ObjectServer:
 def _serve_connection(
     obj: ServedObject, conn: Any, server: ObjectServer, oid: str
 ) -> None:
-    session: dict = {}
+    session: dict = {"fd": conn.fileno()}
     with server._lock:
         obj.connections += 1
     try:
