@@ -1,0 +1,394 @@
+#!/usr/bin/env python
+"""Evolution strategies: seconds per iteration of ``examples/es.py`` on every engine.
+
+The Fiber paper's headline workload on one machine: the ES loop of ``examples/es.py``
+(population ``--population``, one CartPole-v1 episode per perturbed policy, plus 10
+episodes of the current policy, all in one ``map`` per iteration) runs
+``--iterations`` iterations from the same seed on each engine, without stopping
+early, so every engine does exactly the same work; the final parameters must be
+bit-identical across engines (checked, outside the timed region).
+
+The runs are interleaved -- for each repeat every engine in turn, starting with a
+different engine each time -- and the table shows the median seconds per iteration
+and the ratio to ``multiprocessing.Pool`` in the same run. ``--isolate`` keeps one
+engine alive at a time instead (an idle Dask cluster burns 10-15 % of a core).
+
+Engines (``benchmarks/engines.py``): ``multiprocessing`` (stdlib Pool), ``fiber_dask``
+(its Pool on the embedded local cluster), ``ray`` (``ray.util.multiprocessing.Pool``),
+``dask`` (``client.gather(client.map(...))``) and ``ipyparallel`` (load-balanced
+``map_sync``). The evaluation function travels by reference, as
+``examples.es.evaluate``.
+
+Run from the repository root::
+
+    python benchmarks/es.py --quick
+    python benchmarks/es.py --markdown /tmp/es.md --json /tmp/es.json
+
+See ``benchmarks/README.md`` for the options and the noise caveats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+if __package__ in (None, ""):
+    # ``python benchmarks/es.py`` puts benchmarks/ on sys.path; the task function
+    # must be importable as ``examples.es`` (here and in every worker).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (  # noqa: E402
+    add_output_options,
+    add_start_method_option,
+    check_choices,
+    csv_of,
+    engine_line,
+    format_cell,
+    idle_cpu_percent,
+    log,
+    median,
+    prepare_main,
+    rotated,
+    stop_forkserver,
+    timed,
+)
+from benchmarks.engines import (  # noqa: E402
+    BASELINE,
+    ENGINE_NAMES,
+    Engine,
+    EngineHarness,
+)
+
+#: Issue 6: fiber_dask within 1.1x of multiprocessing, and ahead of these peers.
+RATIO_TARGET = 1.10
+AHEAD_OF = ("ray", "dask")
+
+
+def es_module() -> Any:
+    import examples.es
+
+    return examples.es
+
+
+class Benchmark(EngineHarness):
+    teardown_timeout = 60
+    forkserver_timeout = 10
+    text_title = "Evolution strategies: seconds per iteration (lower is better)"
+    markdown_title = "Evolution strategies: seconds per iteration"
+    ratio_note = f"(N x) = ratio to {BASELINE} in the same run"
+    cells_note = (
+        f"cells: median seconds per ES iteration; (N×) = ratio to {BASELINE} in the "
+        "same run"
+    )
+    targets_title = "fiber_dask against the issue-6 targets"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.es = es_module()
+        if args.env == "auto":
+            args.env = self.es.env_kinds()[0]
+        self.per_iter: dict[str, list[float]] = {}  # name -> one figure per repeat
+        self.iter_times: dict[str, list[list[float]]] = {}  # raw, per repeat
+        self.reference: Any = None  # the final theta every engine must reach
+
+    def warm_up(self, eng: Engine) -> None:
+        # Workers import examples.es (and gymnasium) and make their environments.
+        self.train(eng, iterations=1, population=4 * self.args.workers)
+
+    def train(self, eng: Engine, iterations: int, population: int) -> dict:
+        a = self.args
+        return self.es.train(
+            eng.map,
+            population=population,
+            iterations=iterations,
+            env=a.env,
+            target=None,
+            seed=a.seed,
+        )
+
+    # -- phases
+
+    def measure_shared(self) -> None:
+        a = self.args
+        self.active = [eng for eng in self.prepared if self.start(eng)]
+        if not self.active:
+            return
+        self.idle_cpu["all engines"] = idle_cpu_percent(a.idle_seconds)
+        for r in range(a.repeats):
+            line = [self.run_once(eng) for eng in rotated(self.active, r)]
+            self.log_line(r, line)
+            self.repeats_done = r + 1
+
+    def measure_isolated(self) -> None:
+        a = self.args
+        for r in range(a.repeats):
+            line = []
+            for eng in rotated(self.prepared, r):
+                if eng.name in self.failed or not self.start(eng):
+                    continue
+                if eng.name not in self.idle_cpu:
+                    self.idle_cpu[eng.name] = idle_cpu_percent(a.idle_seconds)
+                self.active = [eng]
+                line.append(self.run_once(eng))
+                self.active = []
+                self.teardown_one(eng)
+                stop_forkserver(self.forkserver_timeout)
+            self.log_line(r, line)
+            self.repeats_done = r + 1
+
+    def run_once(self, eng: Engine) -> str:
+        if eng not in self.active:
+            return ""
+        a = self.args
+        try:
+            dt, out = timed(
+                partial(self.train, eng, a.iterations, a.population), a.timeout
+            )
+            theta = out["theta"]
+            if self.reference is None:
+                self.reference = theta
+            elif not (theta == self.reference).all():
+                raise RuntimeError(
+                    f"different result: final parameters {theta} instead of "
+                    f"{self.reference}"
+                )
+        except Exception as e:
+            self.fail(eng, "ES run", e)
+            return ""
+        self.per_iter.setdefault(eng.name, []).append(dt / a.iterations)
+        self.iter_times.setdefault(eng.name, []).append(
+            [h["seconds"] for h in out["history"]]
+        )
+        return f"{eng.name} {dt / a.iterations:.3f} s/it"
+
+    def log_line(self, r: int, parts: list[str]) -> None:
+        text = "  ".join(p for p in parts if p)
+        log(f"[{r + 1}/{self.args.repeats}] {text}", self.args.quiet)
+
+    # -- reporting
+
+    def measured(self) -> list[str]:
+        return [e.name for e in self.engines if self.per_iter.get(e.name)]
+
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
+        names = self.measured()
+        base = BASELINE if BASELINE in names else None
+        med = {n: median(self.per_iter[n]) for n in names}
+        st = {n: median(self.startup.get(n, [])) for n in names}
+
+        def row(label: str, vals: dict[str, float], fmt: str) -> list[str]:
+            b = vals[base] if base else None
+            return [label] + [
+                format_cell(vals[n], fmt, b if n != BASELINE else None, x)
+                for n in names
+            ]
+
+        rows = [row("seconds per iteration", med, "{:.3f}")]
+        rows.append(
+            row(
+                f"{self.args.iterations} iterations (s)",
+                {n: v * self.args.iterations for n, v in med.items()},
+                "{:.2f}",
+            )
+        )
+        rows.append(row("startup (s)", st, "{:.2f}"))
+        return ["", *names], rows
+
+    def target_rows(self, x: str = "x") -> list[list[str]]:
+        names = self.measured()
+        if "fiber_dask" not in names:
+            return []
+        le = "<=" if x == "x" else "≤"
+        fd = median(self.per_iter["fiber_dask"])
+        out = []
+        if BASELINE in names:
+            ratio = fd / median(self.per_iter[BASELINE])
+            out.append(
+                [
+                    "fiber_dask vs multiprocessing",
+                    f"{ratio:.2f}{x}",
+                    f"{le} {RATIO_TARGET:.2f}{x}",
+                    "ok" if ratio <= RATIO_TARGET else "MISSED",
+                ]
+            )
+        for peer in AHEAD_OF:
+            if peer in names:
+                ratio = fd / median(self.per_iter[peer])
+                out.append(
+                    [
+                        f"fiber_dask vs {peer}",
+                        f"{ratio:.2f}{x}",
+                        f"< 1.00{x}",
+                        "ok" if ratio < 1.0 else "MISSED",
+                    ]
+                )
+        return out
+
+    def meta_lines(self) -> list[str]:
+        a = self.args
+        lines = [
+            self.machine_line(),
+            f"{a.workers} workers; {self.es.env_description(a.env)}; population "
+            f"{a.population} + 10 evaluation episodes per iteration, "
+            f"{a.iterations} iterations from seed {a.seed}; median of "
+            f"{self.repeats_done} interleaved repeat(s)"
+            + (" (INTERRUPTED)" if self.interrupted else ""),
+            "one engine alive at a time (--isolate)"
+            if a.isolate
+            else "all engines alive for the whole run; idle ones share the cores",
+        ]
+        if self.reference is not None:
+            lines.append(
+                "every engine reached the same final parameters (checked bit for bit)"
+            )
+        idle = self.idle_cpu.get("all engines", float("nan"))
+        if not math.isnan(idle):
+            lines.append(
+                f"background CPU of all engines while idle: {idle:.0f}% of one core"
+            )
+        for eng in self.engines:
+            if eng.name in self.skipped:
+                lines.append(f"{eng.name}: skipped ({self.skipped[eng.name]})")
+                continue
+            s = engine_line(eng)
+            idle = self.idle_cpu.get(eng.name, float("nan"))
+            if not math.isnan(idle):
+                s += f"; {idle:.0f}% of one core while idle"
+            if eng.name in self.failed:
+                s += f"; FAILED in {self.failed[eng.name]}"
+            lines.append(s)
+        return lines
+
+    def json_report(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            **self.machine_json(),
+            "workers": a.workers,
+            "env": a.env,
+            "population": a.population,
+            "iterations": a.iterations,
+            "seed": a.seed,
+            "repeats_done": self.repeats_done,
+            "isolate": a.isolate,
+            "interrupted": self.interrupted,
+            "idle_cpu_percent_all_engines": self.idle_cpu.get("all engines"),
+            "engines": {
+                e.name: {
+                    "version": e.version,
+                    "note": e.note,
+                    "skipped": self.skipped.get(e.name),
+                    "failed": self.failed.get(e.name),
+                    "startup_s": self.startup.get(e.name, []),
+                    "idle_cpu_percent": self.idle_cpu.get(e.name),
+                    "seconds_per_iteration": self.per_iter.get(e.name, []),
+                    "iteration_seconds": self.iter_times.get(e.name, []),
+                }
+                for e in self.engines
+            },
+        }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--workers", type=int, default=2, help="worker processes per engine (default 2)"
+    )
+    p.add_argument(
+        "--population",
+        type=int,
+        default=256,
+        help="perturbed policies per iteration (default 256, as examples/es.py)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations per run, never stopping early (default 20; --quick 8)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="repeats (default 5, --quick 2)"
+    )
+    p.add_argument(
+        "--env",
+        choices=["auto", "gymnasium", "builtin"],
+        default="auto",
+        help="CartPole-v1 from gymnasium if installed (auto), or the built-in copy",
+    )
+    p.add_argument("--seed", type=int, default=0, help="ES seed (default 0)")
+    p.add_argument(
+        "--engines",
+        type=csv_of(str),
+        default=list(ENGINE_NAMES),
+        help=f"comma-separated (default {','.join(ENGINE_NAMES)}); "
+        "the unavailable ones are skipped with a note",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 iterations, 2 repeats (explicit flags win)",
+    )
+    add_start_method_option(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before one run counts as hung and its engine is dropped "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="keep one engine alive at a time (each repeat starts and stops every "
+        "engine)",
+    )
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=3.0,
+        help="seconds to measure the idle engines' background CPU (default 3; 0 skips)",
+    )
+    add_output_options(p, "also write every raw timing as JSON")
+    a = p.parse_args(argv)
+    if a.iterations is None:
+        a.iterations = 8 if a.quick else 20
+    if a.repeats is None:
+        a.repeats = 2 if a.quick else 5
+    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    if a.workers < 1 or a.repeats < 1 or a.iterations < 1 or a.population < 2:
+        p.error("--workers, --repeats, --iterations must be >= 1, --population >= 2")
+    a.engines = list(dict.fromkeys(a.engines))
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    prepare_main(args)
+    bench = Benchmark(args)
+
+    def measure() -> int:
+        bench.prepare_engines()
+        t0 = time.perf_counter()
+        if args.isolate:
+            bench.measure_isolated()
+        else:
+            bench.measure_shared()
+        log(f"measured in {time.perf_counter() - t0:.0f} s", args.quiet)
+        if not bench.measured():
+            log("error: no engine could be started")
+            return 1
+        return 0
+
+    status = bench.run(measure)
+    if bench.failed and status == 0:
+        status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
