@@ -145,6 +145,14 @@ def _start_swap(module: types.ModuleType, path: str, extra: list[str]) -> None:
         raise CLIError(str(e)) from None
     except (ConfigError, OSError, TimeoutError) as e:
         raise CLIError(f"cannot start or reach the cluster: {e}") from None
+    except RuntimeError as e:
+        # Typically a worker process that failed while importing the script.
+        raise CLIError(
+            f"cannot start the cluster: {e} The worker processes' own errors are "
+            "above. Worker processes import the script, as multiprocessing's spawn "
+            "method does: code at its top level that starts work must be under "
+            "`if __name__ == '__main__':`."
+        ) from None
     plugin = swap.worker_plugin(spec)
     handle.client.register_plugin(plugin, name=plugin.name)
     if not handle.owned:
