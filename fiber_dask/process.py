@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import json
 import logging
 import os
 import pickle
@@ -554,6 +555,9 @@ def _secede() -> None:
 def _child_env(worker_address: str | None, scheduler_address: str | None) -> dict:
     env = dict(os.environ)
     env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
+    # The worker's import path (a spawned worker has its parent's, the script's
+    # directory included), as the stdlib hands sys.path to its children.
+    env["FIBER_DASK_SYS_PATH"] = json.dumps(sys.path)
     if scheduler_address:
         # Nested Pool/Process/Queue in the child attach to this same cluster,
         # whatever backend the parent's configuration names.

@@ -417,3 +417,43 @@ def test_fiber_exit_terminates_daemons_and_joins_others(tmp_path):
     assert os.path.exists(other_path), "the non-daemonic child was not joined"
     assert gone(daemon_pid), "the daemonic child survived its parent"
     assert gone(other_pid)
+
+
+def test_target_from_a_module_beside_the_script(tmp_path):
+    """The child imports the script's neighbours (the stdlib hands its
+    children sys.path); run from another directory so cwd does not help."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "neighbour.py").write_text(
+        "def target(path):\n    open(path, 'w').write('ran')\n"
+    )
+    (tmp_path / "script.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import fiber_dask
+            import neighbour
+
+            if __name__ == "__main__":
+                p = fiber_dask.Process(target=neighbour.target, args=(sys.argv[1],))
+                p.start()
+                p.join(60)
+                sys.exit(p.exitcode)
+            """
+        )
+    )
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
+    env["DASK_FIBER__LOCAL__N_WORKERS"] = "1"
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py"), str(out)],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert out.read_text() == "ran"
