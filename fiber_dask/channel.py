@@ -87,17 +87,30 @@ def _answer_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
         raise AuthenticationError("digest sent was rejected (wrong authkey?)")
 
 
+def peer_timeout() -> float:
+    """``fiber.peer-timeout`` in seconds: how long a peer host may stay silent."""
+    from . import config
+
+    try:
+        return max(1.0, config.timedelta("peer-timeout"))
+    except Exception:  # an old or broken config must not break the channel
+        return 30.0
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    # A peer host that vanishes without a FIN is detected in ~25 s.
-    # A send to a host that stopped acknowledging fails after 30 s instead of
-    # the kernel's ~15 minutes of retransmissions.
+    # With T = fiber.peer-timeout (30 s by default): a peer host that vanishes
+    # without a FIN is detected within about T on an idle connection
+    # (keep-alive probes from T/3 on), and a send to a host that stopped
+    # acknowledging fails after T instead of the kernel's ~15 minutes of
+    # retransmissions.
+    timeout = peer_timeout()
     options = (
-        ("TCP_KEEPIDLE", 10),
-        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPIDLE", max(1, int(timeout / 3))),
+        ("TCP_KEEPINTVL", max(1, int(timeout / 6))),
         ("TCP_KEEPCNT", 3),
-        ("TCP_USER_TIMEOUT", 30_000),
+        ("TCP_USER_TIMEOUT", int(timeout * 1000)),
     )
     for name, value in options:
         if hasattr(socket, name):
@@ -214,15 +227,18 @@ def connect(
     authkey: bytes,
     service: str,
     hello: Any = None,
-    timeout: float = 30.0,
+    timeout: float | None = None,
 ) -> Connection:
     """Connect to a :class:`ChannelServer`, authenticate, and open ``service``.
 
-    Raises :class:`ChannelError` (a ``ConnectionError``) when the server is
-    unreachable or has no such service, and ``multiprocessing.AuthenticationError``
-    when the authkeys differ.
+    ``timeout`` bounds the connection attempt and each handshake step; default
+    ``fiber.peer-timeout``.  Raises :class:`ChannelError` (a ``ConnectionError``)
+    when the server is unreachable or has no such service, and
+    ``multiprocessing.AuthenticationError`` when the authkeys differ.
     """
     host, port = address
+    if timeout is None:
+        timeout = peer_timeout()
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
