@@ -508,8 +508,9 @@ def run_launcher(
             worker = get_worker()
         worker_address = worker.address
         scheduler_address = worker.scheduler.address
+        security = getattr(worker, "security", None)
     except (ImportError, ValueError):
-        worker_address = scheduler_address = None
+        worker_address = scheduler_address = security = None
     try:
         conn = channel.connect(
             address,
@@ -526,7 +527,7 @@ def run_launcher(
             return "refused"
         assert kind == "payload"
         _secede()
-        return _launch(conn, payload, worker_address, scheduler_address)
+        return _launch(conn, payload, worker_address, scheduler_address, security)
     finally:
         channel.hangup(conn)
 
@@ -552,7 +553,9 @@ def _secede() -> None:
         pass
 
 
-def _child_env(worker_address: str | None, scheduler_address: str | None) -> dict:
+def _child_env(
+    worker_address: str | None, scheduler_address: str | None, security: Any = None
+) -> dict:
     env = dict(os.environ)
     env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
     # The worker's import path (a spawned worker has its parent's, the script's
@@ -568,10 +571,36 @@ def _child_env(worker_address: str | None, scheduler_address: str | None) -> dic
         from distributed.comm import get_address_host
 
         env["DASK_FIBER__LISTEN_HOST"] = get_address_host(worker_address)
+    env.update(_security_env(security))
     return env
 
 
-def _launch(conn: Any, payload: bytes, worker_address, scheduler_address) -> str:
+def _security_env(security: Any) -> dict:
+    """Dask config (as environment) that lets the child connect to the
+    scheduler as its worker does: a worker started with ``--tls-*`` options
+    has its certificates in its Security object, not in its config, so a
+    child attaching over ``tls://`` would have no TLS context without this."""
+    if security is None or not (security.require_encryption or security.tls_ca_file):
+        return {}
+    prefix = "DASK_DISTRIBUTED__COMM__"
+    env = {f"{prefix}REQUIRE_ENCRYPTION": str(bool(security.require_encryption))}
+    values = {
+        "TLS__CA_FILE": security.tls_ca_file,
+        "TLS__CIPHERS": security.tls_ciphers,
+        # The child is a client of the scheduler; a worker's own certificate
+        # serves when no client certificate was given.
+        "TLS__CLIENT__CERT": security.tls_client_cert or security.tls_worker_cert,
+        "TLS__CLIENT__KEY": security.tls_client_key or security.tls_worker_key,
+    }
+    for key, value in values.items():
+        if value:
+            env[prefix + key] = value
+    return env
+
+
+def _launch(
+    conn: Any, payload: bytes, worker_address, scheduler_address, security=None
+) -> str:
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> bool:
@@ -588,7 +617,7 @@ def _launch(conn: Any, payload: bytes, worker_address, scheduler_address) -> str
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=_child_env(worker_address, scheduler_address),
+            env=_child_env(worker_address, scheduler_address, security),
             close_fds=True,
         )
     except OSError as e:
