@@ -11,16 +11,17 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
+import selectors
 import threading
 import time
 import weakref
-from multiprocessing.connection import wait
 
 import cloudpickle
 
 from . import channel
 from .errors import WorkerLostError
 from .poolworker import run_pool_worker
+from .results import MapResult
 
 logger = logging.getLogger("fiber_dask.pool")
 
@@ -57,6 +58,7 @@ class _Peer:
         "slot",
         "retiring",
         "broken",
+        "filed",
     )
 
     def __init__(self, conn, hello):
@@ -68,6 +70,7 @@ class _Peer:
         self.slot = hello.get("slot")
         self.retiring = False
         self.broken = False
+        self.filed: int | None = None  # its key in PoolEngine._loads, if any
 
 
 class PoolEngine:
@@ -96,18 +99,42 @@ class PoolEngine:
                     return
                 depth = self._depth(chunk)
                 best = None
-                for peer in self._peers.values():
-                    n = len(peer.inflight)
-                    if (
-                        n < depth
-                        and not (peer.retiring or peer.broken)
-                        and (best is None or n < len(best.inflight))
-                    ):
-                        best = peer
+                loads = self._loads()
+                for n in range(depth):
+                    peers = loads.get(n)
+                    if peers:
+                        best = next(iter(peers))
+                        break
                 if best is None:
                     self._retry.appendleft(chunk)  # first in line next time
                     return
                 self._send_chunk(best, chunk)
+
+    def _loads(self) -> dict[int, dict]:
+        """Loops that may take work, by their number of chunks in flight (each a
+        dict used as an ordered set), so that picking the least loaded one costs
+        the same with 2 loops or 500."""
+        loads = self.__dict__.get("_load_index")
+        if loads is None:
+            loads = self._load_index = {}
+        return loads
+
+    def _file(self, peer: _Peer) -> None:
+        """File ``peer`` under its current load; call under the lock after its
+        in-flight chunks, ``retiring``/``broken`` or presence change."""
+        loads = self._loads()
+        if peer.filed is not None:
+            bucket = loads.get(peer.filed)
+            if bucket is not None:
+                bucket.pop(peer, None)
+                if not bucket:
+                    del loads[peer.filed]
+            peer.filed = None
+        if peer.retiring or peer.broken or self._peers.get(peer.conn) is not peer:
+            return
+        n = len(peer.inflight)
+        loads.setdefault(n, {})[peer] = None
+        peer.filed = n
 
     def _depth(self, chunk: _Chunk) -> int:
         if self._maxtasks is not None:
@@ -116,7 +143,14 @@ class PoolEngine:
         if entry is None or entry[0] is not chunk.job._func or entry[3] is None:
             return 1
         seconds = entry[3] * len(chunk.items)
-        return min(_MAX_DEPTH, 1 + int(self._prefetch / max(seconds, 1e-6)))
+        depth = min(_MAX_DEPTH, 1 + int(self._prefetch / max(seconds, 1e-6)))
+        if depth == 1 and _chunks_to_come(chunk.job) >= len(self._peers):
+            # Long chunks, but this map still has another for every loop: each
+            # may hold the next one, so no loop waits a round trip for it (with
+            # hundreds of loops finishing together, the last one served would
+            # wait for all the others' results to be handled first).
+            depth = 2
+        return depth
 
     def _next_chunk(self) -> _Chunk | None:
         while self._retry:
@@ -183,11 +217,13 @@ class PoolEngine:
             # The loop is gone; the result thread will see its EOF.  The chunk
             # never ran there, so it goes back without counting an attempt.
             peer.broken = True
+            self._file(peer)
             self._retry.appendleft(chunk)
             self._wake()
             return
         peer.fids.add(fid)
         peer.inflight[ckey] = chunk
+        self._file(peer)
 
     # ------------------------------------------------------------ result thread
 
@@ -202,18 +238,44 @@ class PoolEngine:
             if self._state == TERMINATE or self._stop_sent is not None:
                 channel.hangup(conn)
                 return
-            self._peers[conn] = _Peer(conn, hello or {})
+            peer = self._peers[conn] = _Peer(conn, hello or {})
+            self._file(peer)
+            self._selector().register(conn, selectors.EVENT_READ)
             self._loop_failures = 0
             self._dispatch()
         self._wake()
 
+    def _selector(self) -> selectors.BaseSelector:
+        """The result thread's selector: every loop's connection and the wake-up
+        socket, registered once (not on every turn: with hundreds of loops,
+        building a poll set per message cost more than handling the message)."""
+        sel = self.__dict__.get("_sel")
+        if sel is None:
+            with self._lock:
+                sel = self.__dict__.get("_sel")
+                if sel is None:
+                    sel = selectors.DefaultSelector()
+                    sel.register(self._wake_r, selectors.EVENT_READ)
+                    self._sel = sel
+        return sel
+
+    def _unregister(self, conn) -> None:
+        sel = self.__dict__.get("_sel")
+        if sel is not None:
+            try:
+                sel.unregister(conn)
+            except (KeyError, ValueError, OSError):
+                pass
+
     def _step(self) -> bool:
         """One turn of the result thread.  Returns False when the pool is done."""
         with self._lock:
-            conns = list(self._peers)
             if not self._should_continue():
                 return False
-        ready = wait(conns + [self._wake_r], timeout=1.0)
+        try:
+            ready = [key.fileobj for key, _ in self._selector().select(timeout=1.0)]
+        except (OSError, ValueError):  # closed by _release
+            return not getattr(self, "_released", False)
         for obj in ready:
             if obj is self._wake_r:
                 try:
@@ -261,6 +323,7 @@ class PoolEngine:
                     self._learn(chunk, secs)
                 if last:
                     peer.retiring = True
+                self._file(peer)
                 self._dispatch()  # refill before settling: keep the loops busy
             if chunk is None:
                 return
@@ -286,6 +349,8 @@ class PoolEngine:
         failed = []
         with self._lock:
             self._peers.pop(peer.conn, None)
+            self._file(peer)
+            self._unregister(peer.conn)
             peer.conn.close()
             if self._state == TERMINATE:
                 return
@@ -431,12 +496,25 @@ class PoolEngine:
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()
+            self._loads().clear()
         for peer in peers:
+            self._unregister(peer.conn)
             channel.hangup(peer.conn)
         self._release_slots()
+        sel = self.__dict__.get("_sel")
+        if sel is not None:
+            sel.close()
         for s in (self._wake_r, self._wake_w):
             s.close()
         _live_pools.discard(self)
+
+
+def _chunks_to_come(job) -> int:
+    """Chunks of a ``map`` not handed out yet (0 for other jobs)."""
+    if not isinstance(job, MapResult) or job._items is None:
+        return 0
+    size = job._chunksize
+    return -(-(len(job._items) - job._chunk_index * size) // size)
 
 
 def _result_thread(ref) -> None:
