@@ -29,6 +29,7 @@ import pathlib
 import re
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -230,23 +231,39 @@ def _emulator_class() -> type:
 class KubeAPI:
     """A running emulator: its URL, a kubeconfig for it, and its objects."""
 
-    def __init__(self, url: str, kubeconfig: str, emulator: Any) -> None:
+    def __init__(self, url: str, kubeconfig: str, emulator: Any, loop: Any) -> None:
         self.url, self.kubeconfig, self.emulator = url, kubeconfig, emulator
+        self._loop = loop
+
+    def objects(self, plural: str, namespace: str = "default") -> dict[str, dict]:
+        """Copies of the live objects of a resource ("deployments", "daskclusters"),
+        taken in the emulator's own thread."""
+
+        async def snapshot() -> dict[str, dict]:
+            out = {}
+            for (resource, ns, name), obj in list(self.emulator.objects.items()):
+                if resource.plural == plural and ns == namespace and not obj.deleted:
+                    out[name] = copy.deepcopy(obj.raw)
+            return out
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)
 
     def names(self, plural: str, namespace: str = "default") -> list[str]:
-        """Names of the live objects of a resource ("deployments", "daskclusters")."""
-        out = []
-        for (resource, ns, name), obj in list(self.emulator.objects.items()):
-            if resource.plural == plural and ns == namespace and not obj.deleted:
-                out.append(name)
-        return sorted(out)
+        return sorted(self.objects(plural, namespace))
 
     def get(self, plural: str, name: str, namespace: str = "default") -> dict[str, Any]:
-        for (resource, ns, n), obj in list(self.emulator.objects.items()):
-            if resource.plural == plural and ns == namespace and n == name:
-                if not obj.deleted:
-                    return copy.deepcopy(obj.raw)
-        raise KeyError((plural, namespace, name))
+        try:
+            return self.objects(plural, namespace)[name]
+        except KeyError:
+            raise KeyError((plural, namespace, name)) from None
+
+    def requests(self) -> list[Any]:
+        """The requests the emulator has served so far."""
+
+        async def snapshot() -> list[Any]:
+            return list(self.emulator)
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)
 
 
 @contextlib.contextmanager
@@ -313,7 +330,7 @@ def kube_api(tmp_dir: pathlib.Path) -> Iterator[KubeAPI]:
         )
     )
     try:
-        yield KubeAPI(box["url"], str(kubeconfig), box["emulator"])
+        yield KubeAPI(box["url"], str(kubeconfig), box["emulator"], box["loop"])
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(10)
@@ -370,3 +387,224 @@ def wait_for(predicate: Any, timeout: float = 20.0, what: str = "") -> Any:
 
 def env_kubeconfig(path: str) -> dict[str, str]:
     return {**os.environ, "KUBECONFIG": path}
+
+
+# ------------------------------------------------------------ a pretend kubelet
+
+
+class Kubelet:
+    """Runs the "containers" of the emulated cluster as local processes.
+
+    What a node (kubelet, cluster DNS, a cloud load balancer, the garbage
+    collector) would do, for the dask-kubernetes operator's objects only:
+
+    * a scheduler Deployment: ``dask scheduler`` with its container's
+      environment on free local ports; once it answers, a Ready Pod, and the
+      Service pointed at it (``LoadBalancer`` ingress 127.0.0.1, ports = the real
+      ones);
+    * a worker Deployment: ``dask worker`` with its container's arguments and
+      environment, ``DASK_SCHEDULER_ADDRESS`` pointed at that scheduler;
+    * a Deployment deleted: its process is stopped; a DaskCluster deleted: its
+      Deployments and Services are deleted (ownerReferences cascade).
+
+    Cluster DNS for the operator (in this process): see :func:`cluster_dns`.
+    """
+
+    def __init__(self, api: KubeAPI, env: Mapping[str, str]) -> None:
+        self.api = api
+        self.env = dict(env)
+        self.procs: dict[str, Any] = {}  # deployment name -> Popen
+        self.schedulers: dict[str, str] = {}  # cluster name -> tcp address
+        self.started: list[tuple[float, str]] = []
+        self.stopped: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
+        self.errors: list[str] = []
+
+    def __enter__(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for name in list(self.procs):
+            self._kill(name)
+
+    # -------------------------------------------------------------- the loop
+
+    def _run(self) -> None:
+        import kr8s
+
+        self._k8s = kr8s.api(kubeconfig=self.api.kubeconfig)
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - reported by the test
+                self.errors.append(traceback.format_exc())
+            self._stop.wait(0.1)
+
+    def _tick(self) -> None:
+        clusters = self.api.objects("daskclusters")
+        deployments = self.api.objects("deployments")
+        # garbage collection: what belonged to a deleted cluster goes
+        for name, obj in list(deployments.items()):
+            owner = obj["metadata"].get("labels", {}).get("dask.org/cluster-name")
+            if owner and owner not in clusters:
+                self._delete("deployments", name)
+                del deployments[name]
+        for name in list(self.procs):
+            if name not in deployments:
+                self._kill(name)
+        for name, dep in deployments.items():
+            if name in self.procs:
+                continue
+            labels = dep["metadata"].get("labels", {})
+            component = labels.get("dask.org/component")
+            if component == "scheduler":
+                self._start_scheduler(name, dep)
+            elif component == "worker":
+                cluster = labels["dask.org/cluster-name"]
+                if cluster in self.schedulers:
+                    self._start_worker(name, dep, self.schedulers[cluster])
+
+    # ------------------------------------------------------------ containers
+
+    def _container(self, dep: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {**self.env}
+        for item in container.get("env", []):
+            env[item["name"]] = item.get("value", "")
+        args = list(container.get("args", []))
+        args = [
+            a.replace("$(DASK_WORKER_NAME)", env.get("DASK_WORKER_NAME", ""))
+            for a in args
+        ]
+        return args, env
+
+    def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> Any:
+        import subprocess
+        import sys
+
+        assert argv[0] == "dask", argv
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dask", *argv[1:]],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.procs[name] = proc
+        self.started.append((time.monotonic(), name))
+        return proc
+
+    def _start_scheduler(self, name: str, dep: Mapping[str, Any]) -> None:
+        import socket
+        import urllib.request
+
+        args, env = self._container(dep)
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        comm, dashboard = ports
+        assert args[:2] == ["dask", "scheduler"], args
+        args = [a for a in args if a not in ("--host", "0.0.0.0")]
+        args += ["--host", "127.0.0.1", "--port", str(comm)]
+        args += ["--dashboard-address", f"127.0.0.1:{dashboard}"]
+        proc = self._popen(name, args, env)
+        deadline = time.monotonic() + 60
+        while True:  # the readiness probe: GET /health
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{dashboard}/health", timeout=1
+                ) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler {name} did not start")
+            time.sleep(0.1)
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        cluster = labels["dask.org/cluster-name"]
+        self.schedulers[cluster] = f"tcp://127.0.0.1:{comm}"
+        from kr8s.objects import Pod, Service
+
+        Pod(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"{name}-0", "labels": labels},
+                "spec": dep["spec"]["template"]["spec"],
+                "status": {
+                    "phase": "Running",
+                    "conditions": [
+                        {"type": t, "status": "True"}
+                        for t in ("PodScheduled", "Initialized")
+                        + ("ContainersReady", "Ready")
+                    ],
+                },
+            },
+            namespace="default",
+            api=self._k8s,
+        ).create()
+        service = Service.get(name, namespace="default", api=self._k8s)
+        real = {"tcp-comm": comm, "http-dashboard": dashboard}
+        ports = [
+            {**p, "port": real.get(p["name"], p["port"])}
+            for p in service.raw["spec"]["ports"]
+        ]
+        service.patch(
+            {
+                "spec": {"type": "LoadBalancer", "ports": ports},
+                "status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1"}]}},
+            }
+        )
+
+    def _start_worker(self, name: str, dep: Mapping[str, Any], address: str) -> None:
+        args, env = self._container(dep)
+        env["DASK_SCHEDULER_ADDRESS"] = address
+        # every "pod" has its own network namespace; here they share one host
+        args = [("127.0.0.1:0" if a == "8788" else a) for a in args]
+        self._popen(name, args, env)
+
+    def _kill(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        self.stopped.append((time.monotonic(), name))
+        proc.terminate()  # SIGTERM, as when a pod is deleted
+        try:
+            proc.wait(10)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+            proc.wait(5)
+
+    def _delete(self, plural: str, name: str) -> None:
+        import kr8s
+
+        with contextlib.suppress(kr8s.NotFoundError):
+            for obj in kr8s.get(plural, name, namespace="default", api=self._k8s):
+                obj.delete()
+
+
+@contextlib.contextmanager
+def cluster_dns() -> Iterator[None]:
+    """Resolve in-cluster service names (``svc.namespace``, ``...svc.cluster.local``)
+    to 127.0.0.1, where the kubelet's processes listen, for this process."""
+    import socket
+
+    original = socket.getaddrinfo
+    pattern = re.compile(r"^[a-z0-9-]+\.default(\.svc\.cluster\.local)?$")
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(host, str) and pattern.match(host):
+            host = "127.0.0.1"
+        return original(host, *args, **kwargs)
+
+    socket.getaddrinfo = getaddrinfo
+    try:
+        yield
+    finally:
+        socket.getaddrinfo = original

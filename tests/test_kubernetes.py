@@ -598,7 +598,7 @@ def test_backend_deletes_its_own_half_started_cluster(
 
     created = [
         r
-        for r in list(kube.emulator)
+        for r in kube.requests()
         if r.action == kmock.action.CREATE
         and isinstance(r.data, dict)
         and r.data.get("metadata", {}).get("name") == "half-started"
@@ -706,3 +706,195 @@ def test_live_adaptive_up_and_down() -> None:
             )
         finally:
             fiber_dask.shutdown()
+
+
+# --------------------------------------------- scale-down keeps the other groups
+
+
+def test_scheduler_preload_offers_only_default_group_workers(monkeypatch) -> None:
+    """With the preload the manifests give a cluster with extra groups, the
+    scheduler's choice of workers to retire (what the operator's autoscaler asks
+    for through /api/v1/retire_workers) never includes a GPU worker."""
+    import asyncio
+
+    from distributed import Scheduler, Worker
+
+    from fiber_dask.backends.kubescheduler import PREFIX_ENV
+
+    docs = manifests(profile("kubernetes-adaptive.yaml"))
+    (container,) = docs[0]["spec"]["scheduler"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    prefix = f"{docs[0]['metadata']['name']}-default-worker-"
+    assert env[PREFIX_ENV] == prefix
+    preload = yaml.safe_load(env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"])
+    monkeypatch.setenv(PREFIX_ENV, prefix)
+
+    async def choose() -> tuple[list[str], list[str]]:
+        async with Scheduler(
+            host="127.0.0.1", port=0, dashboard_address=":0", preload=preload
+        ) as s:
+            async with (
+                Worker(s.address, name=prefix + "a", nthreads=1),
+                Worker(s.address, name=prefix + "b", nthreads=1),
+                # joined last and idle: the scheduler's first choice otherwise
+                Worker(s.address, name="gpu-worker-x", nthreads=1),
+            ):
+                with_plugin = [
+                    s.workers_to_close(n=n, attribute="name") for n in (1, 2, 3)
+                ]
+                s.remove_plugin(name="fiber-dask-default-group-downscaling")
+                without = s.workers_to_close(n=3, attribute="name")
+                return with_plugin, without
+
+    (one, two, three), without = asyncio.run(choose())
+    # all three are idle: without the plugin any may go, the GPU worker too
+    assert "gpu-worker-x" in without
+    assert len(one) == 1 and one[0].startswith(prefix)
+    assert sorted(two) == sorted(three) == [prefix + "a", prefix + "b"]
+
+
+# ----------------------------- the backend, end to end, on emulated Kubernetes
+
+
+def _worker_name(_: Any) -> str:
+    from distributed import get_worker
+
+    return get_worker().name
+
+
+def _slow_square(x: int) -> int:
+    time.sleep(0.25)
+    return x * x
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_backend_end_to_end_on_emulated_kubernetes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fiber_dask.init() with a kubernetes profile, the real operator, and a
+    pretend kubelet that runs each Deployment as a local `dask` process: the
+    cluster is created, the GPU group gets meta/resources work, Pool load makes
+    the operator's autoscaler add a worker and retire it gracefully through the
+    scheduler's HTTP API afterwards, and shutdown deletes the cluster."""
+    import logging
+
+    name = "fiber-e2e"
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    base_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "tests"), base_env.get("PYTHONPATH", "")]
+    )
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    kopf_log = logging.getLogger("kopf.objects")
+    kopf_log.addHandler(handler)
+    old_level = kopf_log.level
+    kopf_log.setLevel(logging.INFO)
+    cfg = {
+        "fiber.backend": "kubernetes",
+        "fiber.kubernetes.name": name,
+        "fiber.kubernetes.image": "local/fiber-dask:test",
+        # there is no port-forward to an emulated pod: a load balancer instead
+        "fiber.kubernetes.scheduler-service-type": "LoadBalancer",
+        "fiber.kubernetes.worker-groups": [
+            {"name": "gpu", "n-workers": 1, "dask-resources": {"GPU": 1}}
+        ],
+        "fiber.kubernetes.resource-timeout": "60s",
+        "fiber.adaptive.enabled": True,
+        "fiber.adaptive.minimum": 1,
+        "fiber.adaptive.maximum": 2,
+        "fiber.adaptive.target-duration": "1s",
+    }
+
+    import kr8s
+
+    pytest.importorskip("kmock", reason="kmock (Python >= 3.11) emulates the API")
+    try:
+        with (
+            hk.kube_api(tmp_path) as kube,  # an API of its own: only this cluster
+            hk.cluster_dns(),
+        ):
+            monkeypatch.setenv("KUBECONFIG", kube.kubeconfig)
+            kr8s.Api._instances.clear()
+            kr8s.asyncio.Api._instances.clear()
+            _end_to_end(kube, cfg, name, base_env)
+    finally:
+        kopf_log.removeHandler(handler)
+        kopf_log.setLevel(old_level)
+    assert any("from 1 to 2" in m for m in messages), messages
+    assert any("from 2 to 1" in m for m in messages), messages
+    # graceful: retired through the scheduler's HTTP API, not the LIFO fallback
+    assert any(m.startswith("Retired workers") for m in messages), messages
+    assert not any("LIFO" in m for m in messages), messages
+
+
+def _end_to_end(
+    kube: hk.KubeAPI, cfg: dict[str, Any], name: str, base_env: dict[str, str]
+) -> None:
+    import fiber_dask
+    from fiber_dask.backends.kubernetes import OWNER_ANNOTATION
+
+    def default_workers() -> list[str]:
+        return [d for d in kube.names("deployments") if "-default-worker-" in d]
+
+    with (
+        hk.running_operator(),
+        hk.Kubelet(kube, base_env) as kubelet,
+        dask.config.set(cfg),
+    ):
+        try:
+            client = fiber_dask.init()
+            cluster = kube.get("daskclusters", name)
+            assert OWNER_ANNOTATION in cluster["metadata"]["annotations"]
+            assert f"{name}-gpu" in kube.names("daskworkergroups")
+            # KubeCluster.adapt(minimum, maximum), called by the backend
+            autoscaler = kube.get("daskautoscalers", name)
+            assert autoscaler["spec"] == {
+                "cluster": name,
+                "minimum": 1,
+                "maximum": 2,
+            }
+            assert len(default_workers()) == 1
+
+            # work that asks for a GPU runs on the GPU group only
+            with fiber_dask.Pool(1, resources={"GPU": 1}) as pool:
+                names = set(pool.map(_worker_name, range(4)))
+            assert {n.rsplit("-", 1)[0] for n in names} == {f"{name}-gpu-worker"}
+
+            # load: the operator's autoscaler grows the default group
+            with fiber_dask.Pool(3) as pool:
+                assert pool.map(_slow_square, range(60), chunksize=1) == [
+                    x * x for x in range(60)
+                ]
+                hk.wait_for(
+                    lambda: len(default_workers()) == 2,
+                    timeout=30,
+                    what="the autoscaler to add a worker",
+                )
+                gpu_deployments = [
+                    d for d in kube.names("deployments") if "-gpu-worker-" in d
+                ]
+            # idle: it retires one again, gracefully, never the GPU worker
+            hk.wait_for(
+                lambda: len(default_workers()) == 1,
+                timeout=60,
+                what="the autoscaler to retire a worker",
+            )
+            assert [
+                d for d in kube.names("deployments") if "-gpu-worker-" in d
+            ] == gpu_deployments
+            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        finally:
+            fiber_dask.shutdown()
+        hk.wait_for(
+            lambda: name not in kube.names("daskclusters"),
+            timeout=20,
+            what="fiber_dask.shutdown() to delete the cluster",
+        )
+        hk.wait_for(lambda: not kubelet.procs, timeout=30, what="the pods to stop")
+        assert not kubelet.errors, kubelet.errors

@@ -24,6 +24,9 @@ What fiber-dask changes in dask-kubernetes' templates, and why:
   workers through it before deleting their pods (graceful scale-down); without
   it, it falls back to an RPC that breaks when the operator's and the image's
   versions differ, and then to deleting the newest pods, running tasks and all;
+* with extra worker groups, the scheduler preloads
+  :mod:`fiber_dask.backends.kubescheduler`, so that scaling the default group
+  down never retires a worker of another group (a GPU worker);
 * quantities and environment values are strings (the CRDs' schemas say so) and
   nulls are left out (the API server would prune them).
 """
@@ -58,6 +61,9 @@ API_VERSION = "kubernetes.dask.org/v1"
 MAX_NAME = 63 - len("-scheduler")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _API_ROUTE = "distributed.http.scheduler.api"
+# fiber_dask.backends.kubescheduler (not imported here: it needs distributed)
+_DOWNSCALE_PRELOAD = "fiber_dask.backends.kubescheduler"
+_DOWNSCALE_ENV = "FIBER_DASK_DOWNSCALE_PREFIX"
 
 
 @dataclass
@@ -235,6 +241,16 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
     scheduler["args"] = ["dask", "scheduler", "--host", "0.0.0.0"]
     scheduler["resources"] = sched_resources
     scheduler["env"] = (env or []) + _scheduler_env(adaptive_cfg)
+    if groups:
+        # The operator's autoscaler resizes the default group only; make the
+        # scheduler offer only that group's workers for retirement.
+        scheduler["env"] += [
+            {
+                "name": "DASK_DISTRIBUTED__SCHEDULER__PRELOAD",
+                "value": json.dumps([_DOWNSCALE_PRELOAD]),
+            },
+            {"name": _DOWNSCALE_ENV, "value": f"{name}-default-worker-"},
+        ]
     cluster["metadata"] = _metadata(name, k.get("namespace"))
     # The operator fills in spec.idleTimeout's default (0, never) itself.
     cluster["spec"].pop("idleTimeout", None)

@@ -208,12 +208,13 @@ def _listen_host(client: Any) -> str:
     host = route_host(client.scheduler.address)
     if host.startswith("127.") or host == "::1":
         logger.warning(
-            "fiber-dask: the scheduler is reached through a port-forward (%s), so "
-            "pool, process and queue connections from the worker pods back to this "
-            "program cannot be routed. Run the program inside the Kubernetes "
-            "cluster (a pod), or set fiber.listen-host to an address of this "
-            "machine that the pods can reach.",
+            "fiber-dask: the scheduler is reached at a loopback address (%s, a "
+            "port-forward?), so pools, processes and queues listen on %s, where "
+            "worker pods on other machines cannot connect back. Run the program "
+            "inside the Kubernetes cluster (a pod), or set fiber.listen-host to an "
+            "address of this machine that the pods can reach.",
             client.scheduler.address,
+            host,
         )
     return host
 
