@@ -53,6 +53,11 @@ def noop(*args: object) -> None:
     return None
 
 
+def square(x: int) -> int:
+    """``x * x``: a trivial task whose results can be checked (memory.py)."""
+    return x * x
+
+
 def ensure_importable() -> None:
     """Make ``benchmarks.common`` importable here and in every child process.
 

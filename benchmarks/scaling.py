@@ -1,0 +1,519 @@
+#!/usr/bin/env python
+"""Scaling: the Fiber paper's ES experiment, simulated on one machine.
+
+The paper ran evolution strategies with a population of 2048 on 32 to 1024
+workers (Fiber: 1475 s for 50 iterations at 32 workers, 243 s at 512 and 1024;
+IPyParallel 1371 s at 512 and did not finish at 1024). Here every evaluation is a
+``time.sleep(--eval-seconds)`` instead of an episode, so that 8 to 256 task
+slots fit on two cores: a few Dask worker processes with many threads each
+(``fiber.local.n-workers`` x ``fiber.local.threads-per-worker``). The rest is the
+real thing: each iteration maps ``--population`` tasks (``theta`` and a noise
+seed, mirrored pairs) through ``Pool(slots).map``, each task rebuilds its
+perturbation from the seed, and the master ranks the rewards and updates a
+``--params``-parameter ``theta``.
+
+For every slot count: seconds per iteration (median over iterations and
+repeats), and efficiency = ideal / actual, where ideal =
+ceil(population / slots) x eval-seconds (the sleeps alone, perfectly packed).
+
+Engines: ``fiber_dask`` (one embedded cluster for the whole run, a fresh
+``Pool(slots)`` per slot count) and ``dask`` (plain ``client.map`` of one task
+per evaluation, on a ``LocalCluster`` with exactly ``slots`` threads, started
+per slot count). Slot counts and engines are interleaved within each repeat.
+
+Run from the repository root::
+
+    python benchmarks/scaling.py --quick
+    python benchmarks/scaling.py --plot benchmarks/scaling.png --markdown /tmp/s.md
+
+This module is also what the workers import for the task (by reference, as
+``benchmarks.scaling.sleep_evaluate``), so its top level imports only the
+standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (  # noqa: E402
+    Harness,
+    add_output_options,
+    check_choices,
+    csv_of,
+    engine_line,
+    log,
+    median,
+    prepare_main,
+    rotated,
+    timed,
+)
+
+ENGINE_NAMES = ("fiber_dask", "dask")
+EFFICIENCY_TARGET = 0.80  # issue 6, at 256 slots
+#: The paper's Fiber figures: seconds for 50 iterations, population 2048.
+PAPER_FIBER = {32: 1475.0, 512: 243.0, 1024: 243.0}
+
+
+def sleep_evaluate(task: tuple) -> float:
+    """One evaluation: rebuild the perturbation from its seed, "play" by sleeping,
+    score the perturbed parameters on a fixed quadratic."""
+    import numpy as np
+
+    theta, seed, sign, sigma, seconds = task
+    params = theta + (sign * sigma) * np.random.default_rng(seed).standard_normal(
+        theta.size
+    )
+    time.sleep(seconds)
+    return -float(((params - 1.0) ** 2).mean())
+
+
+def es_iteration(map_fn: Any, theta: Any, rng: Any, a: argparse.Namespace) -> Any:
+    """One ES iteration through ``map_fn``; returns the new ``theta``."""
+    import numpy as np
+
+    pairs = a.population // 2
+    seeds = rng.integers(0, 2**31 - 1, size=pairs)
+    tasks = [
+        (theta, int(s), sign, a.sigma, a.eval_seconds)
+        for s in seeds
+        for sign in (1, -1)
+    ]
+    rewards = np.asarray(map_fn(sleep_evaluate, tasks), dtype=float)
+    ranks = np.empty(len(rewards))
+    ranks[np.argsort(rewards, kind="stable")] = np.arange(len(rewards))
+    ranks = ranks / (len(rewards) - 1) - 0.5
+    weights = ranks[0::2] - ranks[1::2]
+    grad = np.zeros(theta.size)
+    for w, s in zip(weights, seeds, strict=True):
+        grad += w * np.random.default_rng(int(s)).standard_normal(theta.size)
+    return theta + a.lr * grad / (a.population * a.sigma)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class Engine:
+    name = "?"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.version = "?"
+        self.note = ""
+
+    def setup(self) -> None:
+        pass
+
+    def open(self, slots: int) -> None:
+        """Get ``slots`` task slots ready (untimed)."""
+        raise NotImplementedError
+
+    def map(self, func: Any, items: list) -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        self.close()
+
+
+class FiberDaskEngine(Engine):
+    name = "fiber_dask"
+
+    def setup(self) -> None:
+        import dask
+
+        a = self.args
+        dask.config.set(
+            {
+                "fiber.local.n-workers": a.processes,
+                "fiber.local.threads-per-worker": a.threads,
+            }
+        )
+        import fiber_dask
+
+        self.fd = fiber_dask
+        self.version = fiber_dask.__version__
+        self.note = (
+            f"embedded cluster of {a.processes} worker processes x {a.threads} "
+            "threads; Pool(slots).map, default chunksize"
+        )
+        fiber_dask.init()
+        self.pool = None
+
+    def open(self, slots: int) -> None:
+        self.close()
+        self.pool = self.fd.Pool(slots)
+        # Pool() returns at once and its loops connect as Dask starts them; the
+        # figures are for a pool that is up (as the paper's were), so wait until
+        # every loop has connected (``_peers``: an internal of the pool).
+        deadline = time.monotonic() + self.args.timeout
+        while len(self.pool._peers) < slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def map(self, func: Any, items: list) -> list:
+        return self.pool.map(func, items)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.terminate()
+            pool.join()
+
+    def teardown(self) -> None:
+        try:
+            self.close()
+        finally:
+            self.fd.shutdown()
+
+
+class DaskEngine(Engine):
+    """Plain Dask: a task per evaluation on a cluster of exactly ``slots`` threads."""
+
+    name = "dask"
+
+    def setup(self) -> None:
+        import distributed
+
+        self.distributed = distributed
+        self.version = distributed.__version__
+        self.note = (
+            "LocalCluster per slot count (slots threads over up to "
+            f"{self.args.processes} processes); client.map, one task per evaluation"
+        )
+        self.client = self.cluster = self.tmpdir = None
+
+    def open(self, slots: int) -> None:
+        self.close()
+        procs = min(self.args.processes, slots)
+        self.tmpdir = tempfile.mkdtemp(prefix="scaling-dask-")
+        self.cluster = self.distributed.LocalCluster(
+            n_workers=procs,
+            threads_per_worker=-(-slots // procs),
+            processes=True,
+            dashboard_address=":0",
+            local_directory=self.tmpdir,
+        )
+        self.client = self.distributed.Client(self.cluster)
+        self.client.wait_for_workers(procs)
+
+    def map(self, func: Any, items: list) -> list:
+        return self.client.gather(self.client.map(func, items, pure=False))
+
+    def close(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            self.client = self.cluster = None
+            if self.tmpdir:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                self.tmpdir = None
+
+
+# --------------------------------------------------------------------------- harness
+
+
+class Benchmark(Harness):
+    teardown_timeout = 120
+    text_title = "Scaling: ES, population {p}, evaluation = {e:g} s sleep"
+    markdown_title = "Scaling (the paper's ES experiment, simulated)"
+    ratio_note = "efficiency = ideal / actual; ideal = ceil(population / slots) x eval"
+    cells_note = (
+        "cells: median seconds per iteration (efficiency = ideal / actual); "
+        "ideal = ceil(population / slots) × evaluation seconds"
+    )
+    targets_title = "fiber_dask against the issue-6 target"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.text_title = self.text_title.format(p=args.population, e=args.eval_seconds)
+        self.engines = [
+            {"fiber_dask": FiberDaskEngine, "dask": DaskEngine}[n](args)
+            for n in args.engines
+        ]
+        self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
+        self.active: list[Engine] = []
+
+    def ideal(self, slots: int) -> float:
+        a = self.args
+        return -(-a.population // slots) * a.eval_seconds
+
+    def measure(self) -> int:
+        import numpy as np
+
+        a = self.args
+        for eng in self.engines:
+            log(f"starting {eng.name} ...", a.quiet)
+            self.live.append(eng)
+            try:
+                timed(eng.setup, a.timeout)
+            except Exception as e:
+                self.fail(eng, "setup", e)
+                continue
+            self.active.append(eng)
+        if not self.active:
+            log("error: no engine could be started")
+            return 1
+        theta0 = np.zeros(a.params)
+        for r in range(a.repeats):
+            for si, slots in enumerate(rotated(a.slots, r)):
+                for eng in rotated(list(self.active), r + si):
+                    self.run_case(eng, slots, theta0, r)
+            self.repeats_done = r + 1
+        return 0
+
+    def run_case(self, eng: Engine, slots: int, theta: Any, r: int) -> None:
+        import numpy as np
+
+        a = self.args
+        try:
+            timed(partial(eng.open, slots), a.timeout)
+            # Untimed warm-up: every loop/worker connected and its imports done,
+            # with short sleeps so the big slot counts' warm-up stays short.
+            warm = argparse.Namespace(**{**vars(a), "eval_seconds": 0.01})
+            rng = np.random.default_rng([a.seed, r])
+            timed(partial(es_iteration, eng.map, theta, rng, warm), a.timeout)
+            times = []
+            for _ in range(a.iterations):
+                dt, theta = timed(
+                    partial(es_iteration, eng.map, theta, rng, a), a.timeout
+                )
+                times.append(dt)
+        except Exception as e:
+            self.fail(eng, f"{slots} slots", e)
+            return
+        finally:
+            try:
+                eng.close()
+            except Exception:
+                pass
+        self.times.setdefault((eng.name, slots), []).extend(times)
+        med = median(times)
+        log(
+            f"[{r + 1}/{a.repeats}] {slots:4d} slots  {eng.name:<10} "
+            f"{med:7.3f} s/it  efficiency {self.ideal(slots) / med:5.1%}",
+            a.quiet,
+        )
+
+    def fail(self, eng: Engine, what: str, e: BaseException) -> None:
+        msg = f"{what}: {type(e).__name__}: {e}".rstrip(": ")
+        self.failed[eng.name] = msg
+        log(f"note: {eng.name} failed in {msg}; dropping it from the run")
+        if eng in self.active:
+            self.active.remove(eng)
+        self.teardown_one(eng)
+
+    # -- reporting
+
+    def measured(self) -> list[str]:
+        return [e.name for e in self.engines if any(k[0] == e.name for k in self.times)]
+
+    def cell(self, name: str, slots: int) -> str:
+        t = median(self.times.get((name, slots), []))
+        if math.isnan(t):
+            return "-"
+        return f"{t:.3f} ({self.ideal(slots) / t:.0%})"
+
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
+        names = self.measured()
+        rows = [
+            [str(s), f"{self.ideal(s):.3f}", *(self.cell(n, s) for n in names)]
+            for s in self.args.slots
+        ]
+        return ["slots", "ideal (s)", *names], rows
+
+    def target_rows(self, x: str = "x") -> list[list[str]]:
+        t = median(self.times.get(("fiber_dask", 256), []))
+        if math.isnan(t):
+            return []
+        eff = self.ideal(256) / t
+        ge = ">=" if x == "x" else "≥"
+        return [
+            [
+                "efficiency at 256 slots",
+                f"{eff:.0%}",
+                f"{ge} {EFFICIENCY_TARGET:.0%}",
+                "ok" if eff >= EFFICIENCY_TARGET else "MISSED",
+            ]
+        ]
+
+    def meta_lines(self) -> list[str]:
+        a = self.args
+        lines = [
+            self.machine_line(),
+            f"population {a.population}, {a.params} parameters, evaluation = "
+            f"{a.eval_seconds:g} s sleep; {a.iterations} timed iteration(s) per slot "
+            f"count and repeat after one untimed; median over "
+            f"{self.repeats_done} interleaved repeat(s)"
+            + (" (INTERRUPTED)" if self.interrupted else ""),
+        ]
+        for eng in self.engines:
+            s = engine_line(eng)
+            if eng.name in self.failed:
+                s += f"; FAILED in {self.failed[eng.name]}"
+            lines.append(s)
+        return lines
+
+    def json_report(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            **self.machine_json(),
+            "population": a.population,
+            "params": a.params,
+            "eval_seconds": a.eval_seconds,
+            "iterations": a.iterations,
+            "repeats_done": self.repeats_done,
+            "interrupted": self.interrupted,
+            "engines": {
+                e.name: {
+                    "version": e.version,
+                    "note": e.note,
+                    "failed": self.failed.get(e.name),
+                    "seconds_per_iteration": {
+                        str(s): self.times.get((e.name, s), []) for s in a.slots
+                    },
+                }
+                for e in self.engines
+            },
+            "ideal_s": {str(s): self.ideal(s) for s in a.slots},
+        }
+
+    def plot(self, path: str) -> None:
+        """Time per iteration and efficiency against slots, like the paper's figure."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log("note: no plot: matplotlib is not installed (the benchmarks extra)")
+            return
+        a = self.args
+        slots = a.slots
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax1.plot(slots, [self.ideal(s) for s in slots], "k--", label="ideal")
+        for name, style in zip(self.measured(), ("o-", "s-"), strict=False):
+            pts = [(s, median(self.times.get((name, s), []))) for s in slots]
+            pts = [(s, t) for s, t in pts if not math.isnan(t)]
+            ax1.plot([s for s, _ in pts], [t for _, t in pts], style, label=name)
+            ax2.plot(
+                [s for s, _ in pts],
+                [100 * self.ideal(s) / t for s, t in pts],
+                style,
+                label=name,
+            )
+        for ax in (ax1, ax2):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(slots, [str(s) for s in slots])
+            ax.set_xlabel("task slots (workers)")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        ax1.set_yscale("log")
+        ax1.set_ylabel("seconds per iteration")
+        ax1.set_title(
+            f"ES, population {a.population}, {a.eval_seconds:g} s per evaluation"
+        )
+        ax2.axhline(100 * EFFICIENCY_TARGET, color="grey", lw=0.8, ls=":")
+        ax2.set_ylim(0, 105)
+        ax2.set_ylabel("efficiency (ideal / actual, %)")
+        ax2.set_title("efficiency")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        log(f"wrote {path}", a.quiet)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--slots",
+        type=csv_of(int),
+        default=None,
+        help="task slot counts (default 8,16,32,64,128,256; --quick 32,256)",
+    )
+    p.add_argument("--population", type=int, default=2048, help="(default 2048)")
+    p.add_argument(
+        "--eval-seconds",
+        type=float,
+        default=0.1,
+        help="sleep per evaluation (default 0.1)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=2,
+        help="timed iterations per slot count and repeat (default 2)",
+    )
+    p.add_argument("--params", type=int, default=1000, help="size of theta")
+    p.add_argument("--sigma", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats", type=int, default=None, help="repeats (default 2, --quick 1)"
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="worker processes the slots are spread over (default 4)",
+    )
+    p.add_argument(
+        "--engines",
+        type=csv_of(str),
+        default=list(ENGINE_NAMES),
+        help=f"comma-separated (default {','.join(ENGINE_NAMES)})",
+    )
+    p.add_argument("--quick", action="store_true", help="32 and 256 slots, 1 repeat")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before one step counts as hung (default 600)",
+    )
+    p.add_argument("--plot", metavar="PNG", help="also draw the figure (matplotlib)")
+    add_output_options(p, "also write every iteration's time as JSON")
+    a = p.parse_args(argv)
+    if a.slots is None:
+        a.slots = [32, 256] if a.quick else [8, 16, 32, 64, 128, 256]
+    if a.repeats is None:
+        a.repeats = 1 if a.quick else 2
+    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    if min(a.slots) < 1 or a.population < 2 or a.iterations < 1 or a.repeats < 1:
+        p.error("--slots, --iterations, --repeats must be >= 1, --population >= 2")
+    a.threads = -(-max(a.slots) // a.processes)
+    a.engines = list(dict.fromkeys(a.engines))
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    prepare_main(args)
+    if not args.verbose:
+        logging.getLogger("distributed").setLevel(logging.ERROR)
+    bench = Benchmark(args)
+    status = bench.run(bench.measure)
+    if args.plot and bench.measured():
+        bench.plot(args.plot)
+    if bench.failed and status == 0:
+        status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
