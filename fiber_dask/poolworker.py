@@ -169,8 +169,15 @@ def run_pool_worker(
             service,
             hello={"pid": os.getpid(), "worker": worker_address, "slot": slot},
         )
-    except channel.ChannelError:
-        # The pool is gone (closed, or its owner exited): nothing to do.
+    except channel.ChannelError as e:
+        if isinstance(e.__cause__, OSError):
+            # The owner cannot be reached from this host (an address valid
+            # only on its own host, a firewall, a partition; or it exited).
+            # Not "no-pool": the pool counts this as a failed loop, so that it
+            # fails with an error naming the address instead of starting
+            # loops that cannot connect forever.
+            return f"unreachable: {e}"
+        # The pool is gone (closed): nothing to do.
         return "no-pool"
     loop = _Loop(conn, kill_after)
     try:

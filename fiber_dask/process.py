@@ -424,6 +424,13 @@ class _Launch:
             if self._claimed or self.returncode is not None:
                 return
             status = getattr(fut, "status", "?")
+            if status == "finished":
+                # Its return value says why (e.g. this process was unreachable
+                # from the worker): fetched in a thread, not in the event loop.
+                threading.Thread(
+                    target=self._launcher_ended, args=(fut,), daemon=True
+                ).start()
+                return
             if status == "error":
                 exc = getattr(getattr(fut, "_state", None), "exception", None)
                 why = f"its launcher task failed: {exc!r}"
@@ -431,6 +438,25 @@ class _Launch:
                 why = "its launcher task was cancelled"
             else:
                 why = "its launcher task ended without starting it"
+            self._finish_locked(
+                -signal.SIGKILL, f"process {self.name!r} could not start: {why}"
+            )
+        self._server.unregister(self._service)
+
+    def _launcher_ended(self, fut: Any) -> None:
+        try:
+            result = fut.result(timeout=10)
+        except Exception:  # the client may be closing
+            result = None
+        why = "its launcher task ended without starting it"
+        if isinstance(result, str) and result.startswith("unreachable: "):
+            why = (
+                "its launcher could not connect back to this process from its "
+                f"worker: {result[len('unreachable: ') :]}"
+            )
+        with self._lock:
+            if self._claimed or self.returncode is not None:
+                return
             self._finish_locked(
                 -signal.SIGKILL, f"process {self.name!r} could not start: {why}"
             )
@@ -499,7 +525,9 @@ def run_launcher(
     """Body of a Process's Dask task: start the child and relay for it.
 
     Returns why it ended: ``"exited"``, ``"refused"`` (another launcher already
-    ran this Process, or its parent is gone), ``"parent-lost"``.
+    ran this Process, or its parent is gone), ``"parent-lost"``, or
+    ``"unreachable: <error>"`` (the parent's address cannot be reached from
+    this worker; the parent puts it in :attr:`Process.reason`).
     """
     try:
         if worker is None:
@@ -518,8 +546,12 @@ def run_launcher(
             service,
             hello={"pid": os.getpid(), "worker": worker_address},
         )
-    except (channel.ChannelError, OSError):
+    except channel.ChannelError as e:
+        if isinstance(e.__cause__, OSError):
+            return f"unreachable: {e}"  # the parent's address, from this host
         return "refused"
+    except OSError as e:
+        return f"unreachable: {e}"
     try:
         try:
             kind, payload = pickle.loads(conn.recv_bytes())
