@@ -623,6 +623,31 @@ def scenario_partition(params: dict) -> dict:
     return out
 
 
+def scenario_unreachable(params: dict) -> dict:
+    """This process listens where the workers cannot reach it (an address
+    valid only on its own host): clear errors, soon, instead of a hang."""
+    mp = multiprocessing
+    out: dict = {}
+    start = time.monotonic()
+    p = mp.Process(target=exit_with, args=(0,))
+    p.start()
+    p.join(120)
+    out["process"] = {
+        "exitcode": p.exitcode,
+        "reason": p.reason,
+        "seconds": round(time.monotonic() - start, 2),
+    }
+    start = time.monotonic()
+    with mp.Pool(2) as pool:
+        try:
+            pool.map_async(square_where, range(10)).get(timeout=120)
+            out["pool"] = {"error": None}
+        except Exception as e:
+            out["pool"] = {"error": f"{type(e).__name__}: {e}"}
+        out["pool"]["seconds"] = round(time.monotonic() - start, 2)
+    return out
+
+
 def main() -> None:
     scenario = sys.argv[1]
     params = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

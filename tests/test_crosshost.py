@@ -384,3 +384,23 @@ def test_cut_a_worker_host_off_mid_job_and_back(
         p for p in host.pids() if "processchild" in open(f"/proc/{p}/cmdline").read()
     ]
     assert leftovers == []
+
+
+def test_a_client_the_workers_cannot_reach_back_gets_clear_errors(cluster, client_host):
+    # fiber.listen-host set to an address that is valid only on the client's
+    # own host: the workers' connections back are refused.
+    r = run_client(
+        client_host,
+        cluster,
+        "unreachable",
+        {},
+        env={"DASK_FIBER__LISTEN_HOST": "127.0.0.1"},
+    )
+    process, pool = r["process"], r["pool"]
+    assert process["exitcode"] == -9, process
+    assert "could not connect back to this process" in process["reason"]
+    assert "127.0.0.1" in process["reason"], process
+    assert process["seconds"] < 20, process
+    assert pool["error"].startswith("WorkerLostError: pool-worker loops keep failing")
+    assert "127.0.0.1" in pool["error"] and "fiber.listen-host" in pool["error"]
+    assert pool["seconds"] < 20, pool
