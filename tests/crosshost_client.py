@@ -152,10 +152,11 @@ def slow_square(x, delay=0.05):
     return x * x, host_ip(), os.getpid(), time.monotonic()
 
 
-def child_doomed(lock, q, qi, rq, conn, n_produce, n_take):
-    """On the host about to die: hold a lock, put items, take a few from
-    another queue, say so, and wait for the end in a Pipe's recv()."""
+def child_doomed(lock, mlock, q, qi, rq, conn, n_produce, n_take):
+    """On the host about to die: hold a lock and a Manager's lock, put items,
+    take a few from another queue, say so, and wait in a Pipe's recv()."""
     lock.acquire()
+    mlock.acquire()
     for i in range(n_produce):
         q.put(("produced", i))
     q.close()
@@ -418,13 +419,15 @@ def scenario_kill(params: dict) -> dict:
     stdin = Stdin()
     out: dict = {}
     lock = mp.Lock()
+    manager = mp.Manager()
+    mlock = manager.Lock()
     q, qi, rq = mp.Queue(), mp.Queue(), mp.Queue()
     parent_end, child_end = mp.Pipe()
     for i in range(100):
         qi.put(i)
     p = mp.Process(
         target=child_doomed,
-        args=(lock, q, qi, rq, child_end, 20, 10),
+        args=(lock, mlock, q, qi, rq, child_end, 20, 10),
         resources={doomed: 1},
     )
     p.start()
@@ -432,6 +435,7 @@ def scenario_kill(params: dict) -> dict:
     _, pid, where, taken = rq.get(timeout=60)
     check(where == doomed_ip and pid == p.pid, "the process is not on the host")
     check(not lock.acquire(timeout=0.2), "the lock is not held there")
+    check(not mlock.acquire(timeout=0.2), "the manager's lock is not held there")
     out["taken_before_kill"] = taken
 
     pool = mp.Pool(params["slots"])
@@ -448,6 +452,7 @@ def scenario_kill(params: dict) -> dict:
                 watch(watched, "join", lambda: (p.join(60), p.exitcode)[1])
                 watch(watched, "lock", lock.acquire, True, 60)
                 watch(watched, "pipe", parent_end.recv)
+                watch(watched, "manager lock", mlock.acquire, True, 60)
         if killed_at is None and "asked" in watched:
             try:
                 killed_at, dead_at = map(float, stdin.get(timeout=0).split()[1:])
@@ -460,7 +465,7 @@ def scenario_kill(params: dict) -> dict:
     pool.close()
     pool.join()
     deadline = time.monotonic() + 60
-    while len(watched) < 4 and time.monotonic() < deadline:
+    while len(watched) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
 
     xs = [r[0] for r in results]
@@ -492,12 +497,13 @@ def scenario_kill(params: dict) -> dict:
         if "pipe" in watched
         else None,
     }
-    out["lock"] = {
-        "acquired": watched.get("lock", {}).get("value"),
-        "after_kill": round(watched["lock"]["clock"] - killed_at, 2)
-        if "lock" in watched
-        else None,
-    }
+    for key in ("lock", "manager lock"):
+        out[key] = {
+            "acquired": watched.get(key, {}).get("value"),
+            "after_kill": round(watched[key]["clock"] - killed_at, 2)
+            if key in watched
+            else None,
+        }
     produced = []
     try:
         while True:
@@ -512,6 +518,7 @@ def scenario_kill(params: dict) -> dict:
     except queue.Empty:
         pass
     out["queue_rest"] = rest
+    manager.shutdown()
     return out
 
 

@@ -300,6 +300,9 @@ def test_kill_a_whole_worker_host_mid_job(net, cluster, client_host, fresh_worke
     assert r["pipe"]["after_kill"] < 10, r["pipe"]
     # The lock it held was released when its connection dropped.
     assert r["lock"]["acquired"] is True and r["lock"]["after_kill"] < 10, r["lock"]
+    # So was the lock it held of the client's Manager.
+    mlock = r["manager lock"]
+    assert mlock["acquired"] is True and mlock["after_kill"] < 10, mlock
     # The queue it fed kept every item it had put; the queue it consumed from
     # kept every item it had not taken (leased ones came back), in order.
     assert r["produced"] == list(range(20))
