@@ -583,10 +583,11 @@ class Kubelet:
 
     def _delete(self, plural: str, name: str) -> None:
         import kr8s
+        from kr8s.objects import Deployment
 
+        assert plural == "deployments"
         with contextlib.suppress(kr8s.NotFoundError):
-            for obj in kr8s.get(plural, name, namespace="default", api=self._k8s):
-                obj.delete()
+            Deployment.get(name, namespace="default", api=self._k8s).delete()
 
 
 @contextlib.contextmanager

@@ -438,7 +438,16 @@ def kubeconfig(kube: hk.KubeAPI, monkeypatch: pytest.MonkeyPatch) -> str:
     return kube.kubeconfig
 
 
-def apply(docs: list[dict[str, Any]], kubeconfig: str) -> None:
+def daskcluster(name: str, kubeconfig: str | None = None, namespace: str = "default"):
+    """The DaskCluster ``name`` (kr8s; raises kr8s.NotFoundError)."""
+    import kr8s
+    from kr8s.objects import new_class
+
+    cls = new_class("DaskCluster", "kubernetes.dask.org/v1", namespaced=True)
+    return cls.get(name, namespace=namespace, api=kr8s.api(kubeconfig=kubeconfig))
+
+
+def apply(docs: list[dict[str, Any]], kubeconfig: str | None) -> None:
     """What `kubectl apply -f -` does with new objects: create them."""
     import kr8s
     from kr8s.objects import new_class
@@ -650,9 +659,8 @@ def test_live_pool_and_cleanup() -> None:
                 assert pool.map(_square, range(50)) == [x * x for x in range(50)]
         finally:
             fiber_dask.shutdown()
-    assert not list(
-        kr8s.get("daskclusters.kubernetes.dask.org", name, namespace=namespace)
-    )
+    with pytest.raises(kr8s.NotFoundError):
+        daskcluster(name, namespace=namespace)
 
 
 @pytest.mark.kubernetes
@@ -666,17 +674,19 @@ def test_live_attach_never_deletes() -> None:
     cfg = live_config(**{"fiber.kubernetes.name": name})
     with dask.config.set(cfg):
         docs = manifests()
-    apply(docs, os.environ.get("KUBECONFIG", ""))
+    namespace = docs[0]["metadata"].get("namespace", kr8s.api().namespace)
+    for doc in docs:
+        doc["metadata"]["namespace"] = namespace
+    apply(docs, None)
     try:
         with dask.config.set({**cfg, "fiber.kubernetes.attach": True}):
             fiber_dask.init()
             with fiber_dask.Pool(2) as pool:
                 assert pool.map(_square, range(10)) == [x * x for x in range(10)]
             fiber_dask.shutdown()
-        assert list(kr8s.get("daskclusters.kubernetes.dask.org", name))
+        assert daskcluster(name, namespace=namespace).exists()
     finally:
-        for obj in kr8s.get("daskclusters.kubernetes.dask.org", name):
-            obj.delete()
+        daskcluster(name, namespace=namespace).delete()
 
 
 @pytest.mark.kubernetes
@@ -767,86 +777,95 @@ def _slow_square(x: int) -> int:
     return x * x
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_backend_end_to_end_on_emulated_kubernetes(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """fiber_dask.init() with a kubernetes profile, the real operator, and a
-    pretend kubelet that runs each Deployment as a local `dask` process: the
-    cluster is created, the GPU group gets meta/resources work, Pool load makes
-    the operator's autoscaler add a worker and retire it gracefully through the
-    scheduler's HTTP API afterwards, and shutdown deletes the cluster."""
+class Nodes:
+    """An emulated API with the real operator, a pretend kubelet running each
+    Deployment as a local `dask` process, and cluster DNS for the operator."""
+
+    def __init__(self, kube: hk.KubeAPI, kubelet: hk.Kubelet) -> None:
+        self.kube, self.kubelet = kube, kubelet
+        self.messages: list[str] = []
+
+    def deployments(self, cluster: str, group: str = "default") -> list[str]:
+        prefix = f"{cluster}-{group}-worker-"
+        return [d for d in self.kube.names("deployments") if d.startswith(prefix)]
+
+    def settings(self, name: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "fiber.backend": "kubernetes",
+            "fiber.kubernetes.name": name,
+            "fiber.kubernetes.image": "local/fiber-dask:test",
+            # there is no port-forward to an emulated pod: a load balancer instead
+            "fiber.kubernetes.scheduler-service-type": "LoadBalancer",
+            "fiber.kubernetes.resource-timeout": "60s",
+            **extra,
+        }
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     import logging
-
-    name = "fiber-e2e"
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    base_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(REPO / "tests"), base_env.get("PYTHONPATH", "")]
-    )
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    handler = Collect(level=logging.INFO)
-    kopf_log = logging.getLogger("kopf.objects")
-    kopf_log.addHandler(handler)
-    old_level = kopf_log.level
-    kopf_log.setLevel(logging.INFO)
-    cfg = {
-        "fiber.backend": "kubernetes",
-        "fiber.kubernetes.name": name,
-        "fiber.kubernetes.image": "local/fiber-dask:test",
-        # there is no port-forward to an emulated pod: a load balancer instead
-        "fiber.kubernetes.scheduler-service-type": "LoadBalancer",
-        "fiber.kubernetes.worker-groups": [
-            {"name": "gpu", "n-workers": 1, "dask-resources": {"GPU": 1}}
-        ],
-        "fiber.kubernetes.resource-timeout": "60s",
-        "fiber.adaptive.enabled": True,
-        "fiber.adaptive.minimum": 1,
-        "fiber.adaptive.maximum": 2,
-        "fiber.adaptive.target-duration": "1s",
-    }
 
     import kr8s
 
     pytest.importorskip("kmock", reason="kmock (Python >= 3.11) emulates the API")
-    try:
-        with (
-            hk.kube_api(tmp_path) as kube,  # an API of its own: only this cluster
-            hk.cluster_dns(),
-        ):
-            monkeypatch.setenv("KUBECONFIG", kube.kubeconfig)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]
+    )
+    kopf_log = logging.getLogger("kopf.objects")
+    old_level = kopf_log.level
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            result.messages.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        hk.kube_api(tmp_path_factory.mktemp("nodes")) as kube,
+        hk.cluster_dns(),
+    ):
+        mp.setenv("KUBECONFIG", kube.kubeconfig)
+        kr8s.Api._instances.clear()
+        kr8s.asyncio.Api._instances.clear()
+        kopf_log.addHandler(handler)
+        kopf_log.setLevel(logging.INFO)
+        try:
+            with hk.running_operator(), hk.Kubelet(kube, env) as kubelet:
+                result = Nodes(kube, kubelet)
+                yield result
+                assert not kubelet.errors, kubelet.errors
+        finally:
+            kopf_log.removeHandler(handler)
+            kopf_log.setLevel(old_level)
             kr8s.Api._instances.clear()
             kr8s.asyncio.Api._instances.clear()
-            _end_to_end(kube, cfg, name, base_env)
-    finally:
-        kopf_log.removeHandler(handler)
-        kopf_log.setLevel(old_level)
-    assert any("from 1 to 2" in m for m in messages), messages
-    assert any("from 2 to 1" in m for m in messages), messages
-    # graceful: retired through the scheduler's HTTP API, not the LIFO fallback
-    assert any(m.startswith("Retired workers") for m in messages), messages
-    assert not any("LIFO" in m for m in messages), messages
 
 
-def _end_to_end(
-    kube: hk.KubeAPI, cfg: dict[str, Any], name: str, base_env: dict[str, str]
-) -> None:
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_backend_adaptive_end_to_end(nodes: Nodes) -> None:
+    """fiber_dask.init() with an adaptive profile with a GPU group: the cluster is
+    created, GPU work runs on the GPU group only, Pool load makes the operator's
+    autoscaler add a worker and retire it gracefully through the scheduler's HTTP
+    API afterwards (never the GPU worker), and shutdown deletes the cluster."""
     import fiber_dask
     from fiber_dask.backends.kubernetes import OWNER_ANNOTATION
 
-    def default_workers() -> list[str]:
-        return [d for d in kube.names("deployments") if "-default-worker-" in d]
-
-    with (
-        hk.running_operator(),
-        hk.Kubelet(kube, base_env) as kubelet,
-        dask.config.set(cfg),
-    ):
+    name, kube = "fiber-e2e", nodes.kube
+    cfg = nodes.settings(
+        name,
+        **{
+            "fiber.kubernetes.worker-groups": [
+                {"name": "gpu", "n-workers": 1, "dask-resources": {"GPU": 1}}
+            ],
+            "fiber.adaptive.enabled": True,
+            "fiber.adaptive.minimum": 1,
+            "fiber.adaptive.maximum": 2,
+            "fiber.adaptive.target-duration": "1s",
+        },
+    )
+    with dask.config.set(cfg):
         try:
             client = fiber_dask.init()
             cluster = kube.get("daskclusters", name)
@@ -854,12 +873,8 @@ def _end_to_end(
             assert f"{name}-gpu" in kube.names("daskworkergroups")
             # KubeCluster.adapt(minimum, maximum), called by the backend
             autoscaler = kube.get("daskautoscalers", name)
-            assert autoscaler["spec"] == {
-                "cluster": name,
-                "minimum": 1,
-                "maximum": 2,
-            }
-            assert len(default_workers()) == 1
+            assert autoscaler["spec"] == {"cluster": name, "minimum": 1, "maximum": 2}
+            assert len(nodes.deployments(name)) == 1
 
             # work that asks for a GPU runs on the GPU group only
             with fiber_dask.Pool(1, resources={"GPU": 1}) as pool:
@@ -872,29 +887,98 @@ def _end_to_end(
                     x * x for x in range(60)
                 ]
                 hk.wait_for(
-                    lambda: len(default_workers()) == 2,
+                    lambda: len(nodes.deployments(name)) == 2,
                     timeout=30,
                     what="the autoscaler to add a worker",
                 )
-                gpu_deployments = [
-                    d for d in kube.names("deployments") if "-gpu-worker-" in d
-                ]
+                gpu = nodes.deployments(name, "gpu")
             # idle: it retires one again, gracefully, never the GPU worker
             hk.wait_for(
-                lambda: len(default_workers()) == 1,
+                lambda: len(nodes.deployments(name)) == 1,
                 timeout=60,
                 what="the autoscaler to retire a worker",
             )
-            assert [
-                d for d in kube.names("deployments") if "-gpu-worker-" in d
-            ] == gpu_deployments
+            assert nodes.deployments(name, "gpu") == gpu
             assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
         finally:
             fiber_dask.shutdown()
+    hk.wait_for(
+        lambda: name not in kube.names("daskclusters"),
+        timeout=20,
+        what="fiber_dask.shutdown() to delete the cluster",
+    )
+    hk.wait_for(
+        lambda: not [p for p in nodes.kubelet.procs if p.startswith(name)],
+        timeout=30,
+        what="the pods to stop",
+    )
+    messages = nodes.messages
+    assert any(f"{name} worker count from 1 to 2" in m for m in messages), messages
+    assert any(f"{name} worker count from 2 to 1" in m for m in messages), messages
+    # graceful: retired through the scheduler's HTTP API, not the LIFO fallback
+    assert any(m.startswith("Retired workers") for m in messages), messages
+    assert not any("LIFO" in m for m in messages), messages
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_backend_fixed_size_grows_and_attach_never_deletes(nodes: Nodes) -> None:
+    """A fixed-size cluster fiber-dask created grows for Pool(processes=N); a
+    cluster it attached to is neither resized nor deleted, not even by
+    dask-kubernetes' exit hook."""
+    from dask_kubernetes.operator.kubecluster import kubecluster
+
+    import fiber_dask
+
+    kube = nodes.kube
+    owned = "fiber-fixed"
+    with dask.config.set(nodes.settings(owned, **{"fiber.kubernetes.n-workers": 1})):
+        try:
+            fiber_dask.init()
+            assert len(nodes.deployments(owned)) == 1
+            with fiber_dask.Pool(2) as pool:
+                hk.wait_for(
+                    lambda: len(nodes.deployments(owned)) == 2,
+                    what="Pool(2) to grow the default group to 2",
+                )
+                workers = set(pool.map(_worker_name, range(40), chunksize=1))
+            assert (
+                kube.get("daskworkergroups", f"{owned}-default")["spec"]["worker"][
+                    "replicas"
+                ]
+                == 2
+            )
+            assert len(workers) >= 1
+        finally:
+            fiber_dask.shutdown()
+    hk.wait_for(
+        lambda: owned not in kube.names("daskclusters"),
+        timeout=20,
+        what="the created cluster to be deleted",
+    )
+
+    shared = "fiber-shared"
+    cfg = nodes.settings(shared, **{"fiber.kubernetes.n-workers": 1})
+    with dask.config.set(cfg):
+        docs = manifests()
+    apply(docs, kube.kubeconfig)  # made with kubectl apply, by someone else
+    try:
         hk.wait_for(
-            lambda: name not in kube.names("daskclusters"),
-            timeout=20,
-            what="fiber_dask.shutdown() to delete the cluster",
+            lambda: len(nodes.deployments(shared)) == 1, what="the shared cluster"
         )
-        hk.wait_for(lambda: not kubelet.procs, timeout=30, what="the pods to stop")
-        assert not kubelet.errors, kubelet.errors
+        with dask.config.set({**cfg, "fiber.kubernetes.attach": True}):
+            try:
+                fiber_dask.init()
+                with fiber_dask.Pool(2) as pool:
+                    assert pool.map(_square, range(20)) == [x * x for x in range(20)]
+                # attached: not resized for the pool
+                assert len(nodes.deployments(shared)) == 1
+            finally:
+                fiber_dask.shutdown()
+        kubecluster.reap_clusters()  # what runs at exit
+        time.sleep(1.0)
+        assert shared in kube.names("daskclusters")
+        assert f"{shared}-scheduler" in nodes.kubelet.procs
+        assert len(nodes.deployments(shared)) == 1
+    finally:
+        daskcluster(shared, kube.kubeconfig).delete()

@@ -163,8 +163,10 @@ class _KubeHandle(ClusterHandle):
                 self.client.close()
         finally:
             if self.cluster is not None:
-                # shutdown_on_close is True only for a cluster we created.
-                self.cluster.close()
+                # shutdown_on_close is True only for a cluster we created.  Waiting
+                # for the deletion is bounded: without the operator (which removes
+                # its finalizer) it would not finish.
+                self.cluster.close(timeout=_seconds("kubernetes.resource-timeout"))
 
 
 class _Grower:
