@@ -381,7 +381,7 @@ def test_name_template_and_group_inheritance() -> None:
     assert {e["name"]: e["value"] for e in c["env"]} == {"A": "a", "B": "big"}
     assert c["resources"] == {"requests": {"memory": "1Gi"}}
     assert c["args"][:4] == ["dask", "worker", "--nthreads", "4"]
-    user = getpass.getuser()
+    user = getpass.getuser().lower()
     if kubemanifest._NAME.match(f"u-{user}"):
         (doc,) = manifests(base(name="u-{user}"))
         assert doc["metadata"]["name"] == f"u-{user}"

@@ -331,7 +331,7 @@ def _cluster_name(
             )
         return default
     try:
-        name = template.format(user=getpass.getuser(), uuid=uuid.uuid4().hex[:10])
+        name = template.format(user=_user(), uuid=uuid.uuid4().hex[:10])
     except (KeyError, IndexError, ValueError) as e:
         problems.append(
             _problem(
@@ -355,6 +355,14 @@ def _cluster_name(
         )
         return None
     return name
+
+
+def _user() -> str:
+    """The login name for ``{user}``, lower-cased as a Kubernetes name needs."""
+    try:
+        return getpass.getuser().lower()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        return "user"
 
 
 def _metadata(name: str, namespace: str | None) -> dict[str, Any]:
