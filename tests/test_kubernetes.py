@@ -47,6 +47,14 @@ import helpers_kubernetes as hk  # noqa: E402
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = REPO / "adapters"
 
+# What the emulated API makes kr8s and kmock say: it reports an old Kubernetes
+# version and does not serve every discovery URL.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Kubernetes version .* is not supported"),
+    pytest.mark.filterwarnings("ignore:The URL was not found:UserWarning"),
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
+
 
 def profile(name: str) -> dict[str, Any]:
     return yaml.safe_load((ADAPTERS / name).read_text())["fiber"]
