@@ -417,6 +417,7 @@ class Kubelet:
         self.schedulers: dict[str, str] = {}  # cluster name -> tcp address
         self.started: list[tuple[float, str]] = []
         self.stopped: list[tuple[float, str]] = []
+        self.restarts: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
         self.errors: list[str] = []
@@ -456,6 +457,10 @@ class Kubelet:
         for name in list(self.procs):
             if name not in deployments:
                 self._kill(name)
+            elif self.procs[name].poll() is not None and "-worker-" in name:
+                # the pod's container died: the Deployment's new pod replaces it
+                del self.procs[name]
+                self.restarts[name] = self.restarts.get(name, 0) + 1
         for name, dep in deployments.items():
             if name in self.procs:
                 continue
@@ -492,6 +497,7 @@ class Kubelet:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a "pod": one process group, killed together
         )
         self.procs[name] = proc
         self.started.append((time.monotonic(), name))
@@ -568,6 +574,26 @@ class Kubelet:
         # every "pod" has its own network namespace; here they share one host
         args = [("127.0.0.1:0" if a == "8788" else a) for a in args]
         self._popen(name, args, env)
+
+    def kill_pod(self, name: str) -> None:
+        """SIGKILL every process of a worker "pod" (out of memory, node lost)."""
+        import os
+        import signal
+
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+
+    def pod_of(self, pid: int) -> str | None:
+        """The Deployment whose "pod" runs the process ``pid``."""
+        import psutil
+
+        try:
+            ancestors = {p.pid for p in psutil.Process(pid).parents()} | {pid}
+        except psutil.NoSuchProcess:
+            return None
+        for name, proc in list(self.procs.items()):
+            if proc.pid in ancestors:
+                return name
+        return None
 
     def _kill(self, name: str) -> None:
         proc = self.procs.pop(name, None)

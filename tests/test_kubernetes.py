@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -950,13 +951,35 @@ def test_backend_fixed_size_grows_and_attach_never_deletes(nodes: Nodes) -> None
                     what="Pool(2) to grow the default group to 2",
                 )
                 workers = set(pool.map(_worker_name, range(40), chunksize=1))
-            assert (
-                kube.get("daskworkergroups", f"{owned}-default")["spec"]["worker"][
-                    "replicas"
-                ]
-                == 2
-            )
+            group = kube.get("daskworkergroups", f"{owned}-default")
+            assert group["spec"]["worker"]["replicas"] == 2
             assert len(workers) >= 1
+
+            # A pod dies during a map: its chunks run again elsewhere, the map is
+            # complete, and the Deployment brings the pod back.
+            with fiber_dask.Pool(2) as pool:
+                result = pool.map_async(_slow_square, range(40), chunksize=1)
+                time.sleep(1.5)
+                victim = nodes.deployments(owned)[0]
+                assert not result.ready()  # mid-map
+                nodes.kubelet.kill_pod(victim)
+                assert result.get(timeout=60) == [x * x for x in range(40)]
+            hk.wait_for(
+                lambda: nodes.kubelet.restarts.get(victim),
+                what="the killed pod to be replaced",
+            )
+
+            # A pod dies under a Process: it is not restarted elsewhere, its
+            # exitcode is -SIGKILL and reason says why.
+            proc = fiber_dask.Process(target=time.sleep, args=(60,))
+            proc.start()
+            host = hk.wait_for(
+                lambda: nodes.kubelet.pod_of(proc.pid), what="the process's pod"
+            )
+            nodes.kubelet.kill_pod(host)
+            proc.join(30)
+            assert proc.exitcode == -signal.SIGKILL
+            assert "died" in proc.reason
         finally:
             fiber_dask.shutdown()
     hk.wait_for(
