@@ -14,8 +14,15 @@ applies them, and an in-memory API server (kmock) for the real operator.
   are pruned like the API server does, and ``labelSelector`` filters lists and
   watches (the operator counts a group's worker Deployments by label).
   :func:`running_operator` runs the operator's kopf controller against it in a
-  thread.  No pod ever runs: this shows what the operator creates from our
-  resources, not that the pods start.
+  thread.
+* :class:`Kubelet` plays the nodes: it runs each scheduler and worker
+  Deployment as a local ``dask scheduler`` / ``dask worker`` process with the
+  container's arguments and environment, marks the scheduler pod Ready and
+  points its Service at it; :func:`cluster_dns` resolves service names for the
+  operator.  Together they let fiber-dask's backend, the real operator and its
+  autoscaler run a whole cluster life cycle on one machine.  What they do not
+  show: image pulls, scheduling onto nodes, resource limits, networking
+  between hosts.
 """
 
 from __future__ import annotations

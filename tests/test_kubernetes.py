@@ -12,7 +12,11 @@ What can be checked here, as real as it gets on one machine:
   the worker Deployments of a fiber-dask profile, adopts its DaskAutoscaler,
   and scales a group; and the backend's ownership rules against the same API
   (an existing cluster is never taken over or deleted; a half-started cluster
-  of ours is deleted).
+  of ours is deleted);
+* the backend end to end on that API with the operator and a pretend kubelet
+  that runs Deployments as local ``dask`` processes: create, GPU group,
+  adaptive up and graceful down, Pool growth, a pod killed under a Pool and a
+  Process, attach without delete, delete at shutdown.
 
 Tests marked ``kubernetes`` need a live cluster with the operator and an image
 with fiber-dask (``FIBER_DASK_TEST_IMAGE``); they run with ``--kubernetes``.
