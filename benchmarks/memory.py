@@ -157,6 +157,8 @@ class Benchmark(EngineHarness):
 
         def row(what: str, vals: dict[str, float], fmt: str) -> list[str]:
             b = vals.get(base) if base else None
+            if b is not None and fmt == "{:.1f}" and b < 1.0:
+                b = None  # no ratio to a peak of less than 1 MB
             return [what] + [
                 format_cell(vals[n], fmt, b if n != BASELINE and b else None, x)
                 for n in names
