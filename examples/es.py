@@ -6,11 +6,12 @@ mirror images ``theta - sigma * eps`` (antithetic sampling) play an episode
 each, in parallel through one ``Pool.map``; the rewards are replaced by their
 centred ranks, and ``theta`` moves along the rank-weighted sum of the
 perturbations with Adam (or plain SGD).  Only seeds travel: a worker rebuilds
-``eps`` from its noise seed, as the paper's workers do from a shared table.
+``eps`` from its noise seed (Salimans et al.'s workers index a shared noise table).
 
 The environment is Gymnasium's ``CartPole-v1`` when ``gymnasium`` is installed
 (``pip install -e ".[examples]"``), else :class:`CartPole` below, the same
-physics, start states and time limit in plain Python and numpy.  CartPole-v1
+physics, start states and time limit in plain Python and numpy (on a cluster,
+the workers need ``gymnasium`` too, or pass ``--env builtin``).  CartPole-v1
 counts as solved at a mean reward of 475 over 100 episodes; 500 is the most an
 episode can score.
 
