@@ -1,0 +1,81 @@
+"""The issue-6 benchmarks run, in a tiny size, and check what they can check.
+
+No timing is asserted (performance is what the benchmarks report, on a quiet
+machine); these runs check that the scripts work end to end and the properties
+they verify besides speed: every engine computes the same ES result, a pool of
+many slots on few processes works, an ``imap`` does not hold its input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_benchmark(name: str, *args: str, tmp_path) -> tuple[dict, str]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", name), *args]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_es_benchmark_engines_agree(tmp_path):
+    report, text = run_benchmark(
+        "es.py",
+        *("--engines", "multiprocessing,fiber_dask", "--env", "builtin"),
+        *("--population", "32", "--iterations", "3", "--repeats", "2"),
+        *("--idle-seconds", "0", "--quiet"),
+        tmp_path=tmp_path,
+    )
+    # A difference in the final parameters fails the engine (exit status 2).
+    assert "every engine reached the same final parameters" in text
+    for name in ("multiprocessing", "fiber_dask"):
+        engine = report["engines"][name]
+        assert engine["failed"] is None
+        assert len(engine["seconds_per_iteration"]) == 2
+        assert all(len(run) == 3 for run in engine["iteration_seconds"])
+
+
+@pytest.mark.timeout(300)
+def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
+    report, text = run_benchmark(
+        "scaling.py",
+        *("--slots", "4,32", "--processes", "2", "--engines", "fiber_dask"),
+        *("--population", "64", "--eval-seconds", "0.02", "--params", "10"),
+        *("--iterations", "2", "--repeats", "1", "--timeout", "120", "--quiet"),
+        tmp_path=tmp_path,
+    )
+    # 32 slots = 2 worker processes x 16 threads; the script waits for all 32
+    # pool loops to connect before it times anything.
+    assert "2 worker processes x 16 threads" in text
+    times = report["engines"]["fiber_dask"]["seconds_per_iteration"]
+    assert len(times["4"]) == 2 and len(times["32"]) == 2
+    assert report["ideal_s"] == {"4": 16 * 0.02, "32": 2 * 0.02}
+
+
+@pytest.mark.timeout(300)
+def test_memory_benchmark_imap_does_not_hold_its_input(tmp_path):
+    report, _ = run_benchmark(
+        "memory.py",
+        *("--items", "300000", "--repeats", "1", "--quiet"),
+        tmp_path=tmp_path,
+    )
+    for name in ("multiprocessing", "fiber_dask"):
+        peak = report["engines"][name]["peak_increase_mb"]
+        # map materialises 300,000 inputs and results (>= 10 MB); imap streams.
+        assert peak["map"][0] >= 10.0, peak
+        assert peak["imap"][0] < peak["map"][0] / 4, peak
