@@ -187,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     played = stale = 0
     first = last = float("nan")
     updates = 0
+    waited = 0.0  # seconds without an episode
 
     def broadcast() -> None:
         for _, send in pipes:
@@ -196,11 +197,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         broadcast()
         while updates < a.updates:
             try:
-                _, ver, obs, acts = episodes.get(timeout=a.timeout)
+                _, ver, obs, acts = episodes.get(timeout=1.0)
             except queue.Empty:
-                raise RuntimeError(
-                    f"no episode from any actor for {a.timeout:g} s"
-                ) from None
+                failed = [p for p in actors if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(
+                        f"{failed[0].name} failed (exit code {failed[0].exitcode})"
+                    ) from None
+                waited += 1.0
+                if waited >= a.timeout:
+                    raise RuntimeError(
+                        f"no episode from any actor for {a.timeout:g} s"
+                    ) from None
+                continue
+            waited = 0.0
             played += 1
             if ver != version:
                 stale += 1
