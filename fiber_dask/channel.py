@@ -20,7 +20,12 @@ Both sides challenge each other with HMAC-SHA256 over random nonces (the scheme
 of ``multiprocessing.connection``, with a modern digest), so neither a stranger
 nor an impostor server can feed us pickles.  The authkey itself travels to the
 workers inside the Dask task, i.e. over Dask's comm (encrypted when Dask's TLS
-is configured).
+is configured).  When the cluster uses TLS, so do these connections (see
+:mod:`fiber_dask.tls`): the server sends a clear-text hello, both ends run a
+TLS handshake with the cluster's certificates, and the HMAC handshake and all
+frames then go inside TLS.  A server's mode is fixed when it starts, a
+client's when it connects; a mismatch fails at once with
+:class:`~fiber_dask.errors.TLSConnectionError`.
 
 Frames are ``multiprocessing.connection.Connection`` byte messages (4-byte
 length prefix), which stdlib code already trusts, on sockets with TCP_NODELAY
@@ -38,6 +43,9 @@ import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
+
+from . import tls
+from .errors import TLSConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +89,13 @@ def _deliver_challenge(conn: Connection, authkey: bytes, timeout: float) -> None
 def _answer_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
     message = _recv_small(conn, timeout)
     if not message.startswith(_CHALLENGE):
+        if tls.is_hello(message):
+            raise TLSConnectionError(
+                "the fiber-dask endpoint requires TLS (its Dask cluster uses TLS) "
+                "but this process has no TLS for its direct connections "
+                f"({tls.mode_source()}): give it the cluster's TLS settings "
+                "(distributed.comm.tls.*, require-encryption)"
+            )
         raise AuthenticationError("peer did not speak the fiber-dask handshake")
     conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
     if _recv_small(conn, timeout) != _WELCOME:
@@ -126,10 +141,13 @@ class ChannelServer:
         Interface to listen on.  Never a wildcard unless the user configured one.
     authkey : bytes
         Shared secret the peers must prove they know.
+    context : ssl.SSLContext, optional
+        Serve TLS with this context (see :mod:`fiber_dask.tls`); None: plain.
     """
 
-    def __init__(self, host: str, authkey: bytes) -> None:
+    def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
         self.authkey = bytes(authkey)
+        self.context = context
         self._services: dict[str, Handler] = {}
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -145,7 +163,8 @@ class ChannelServer:
         self._thread.start()
 
     def __repr__(self) -> str:
-        return f"<ChannelServer {self.address[0]}:{self.address[1]}>"
+        tls_ = " tls" if self.context is not None else ""
+        return f"<ChannelServer{tls_} {self.address[0]}:{self.address[1]}>"
 
     def register(self, service: str, handler: Handler) -> None:
         """Route authenticated connections whose hello names ``service``."""
@@ -177,11 +196,16 @@ class ChannelServer:
         try:
             _tune(sock)
             sock.setblocking(True)  # Connection reads the raw fd; polls bound waits
-            conn = Connection(sock.detach())
+            if self.context is None:
+                conn: Any = Connection(sock.detach())
+            else:
+                conn = tls.TLSConnection.server(sock, self.context)
         except OSError:
             sock.close()
             return
         try:
+            if self.context is not None:
+                conn.handshake(_HANDSHAKE_TIMEOUT)
             _deliver_challenge(conn, self.authkey, _HANDSHAKE_TIMEOUT)
             _answer_challenge(conn, self.authkey, _HANDSHAKE_TIMEOUT)
             if not conn.poll(_HANDSHAKE_TIMEOUT):
@@ -233,12 +257,15 @@ def connect(
 
     ``timeout`` bounds the connection attempt and each handshake step; default
     ``fiber.peer-timeout``.  Raises :class:`ChannelError` (a ``ConnectionError``)
-    when the server is unreachable or has no such service, and
-    ``multiprocessing.AuthenticationError`` when the authkeys differ.
+    when the server is unreachable or has no such service,
+    ``multiprocessing.AuthenticationError`` when the authkeys differ, and
+    :class:`~fiber_dask.errors.TLSConnectionError` when one end uses TLS and
+    the other does not (or their certificates do not match).
     """
     host, port = address
     if timeout is None:
         timeout = peer_timeout()
+    context = tls.client_context()
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
@@ -248,8 +275,11 @@ def connect(
             "set fiber.listen-host to an address the workers can connect to."
         ) from e
     _tune(sock)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
+    if context is None:
+        sock.settimeout(None)
+        conn: Any = Connection(sock.detach())
+    else:
+        conn = tls.connect(sock, context, timeout, f"{host}:{port}")
     try:
         _answer_challenge(conn, authkey, timeout)
         _deliver_challenge(conn, authkey, timeout)
@@ -257,9 +287,12 @@ def connect(
         if not conn.poll(timeout):
             raise ChannelError(f"handshake with {host}:{port} timed out")
         answer = conn.recv_bytes(64)
-    except BaseException:
+    except BaseException as e:
         conn.close()
-        raise
+        err = tls.handshake_error(e, f"{host}:{port}")
+        if err is e:
+            raise
+        raise err from e
     if answer != b"OK":
         conn.close()
         raise ChannelError(
@@ -268,16 +301,20 @@ def connect(
     return conn
 
 
-_servers: dict[tuple[str, bytes], ChannelServer] = {}
+_servers: dict[tuple[str, bytes, Any], ChannelServer] = {}
 _server_lock = threading.Lock()
 
 
-def get_server(host: str, authkey: bytes) -> ChannelServer:
-    """This process's channel server on ``host``, started on first use."""
+def get_server(host: str, authkey: bytes, client: Any = None) -> ChannelServer:
+    """This process's channel server on ``host``, started on first use; TLS
+    if this process's cluster (or ``client``'s, for an object made for that
+    client's cluster) uses TLS (see :mod:`fiber_dask.tls`)."""
+    context = tls.server_context(client)
+    key = (host, authkey, id(context) if context is not None else None)
     with _server_lock:
-        server = _servers.get((host, authkey))
+        server = _servers.get(key)
         if server is None:
-            server = _servers[(host, authkey)] = ChannelServer(host, authkey)
+            server = _servers[key] = ChannelServer(host, authkey, context)
         return server
 
 

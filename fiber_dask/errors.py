@@ -8,6 +8,7 @@ __all__ = [
     "ClusterConnectionError",
     "ManagerConnectionError",
     "PoolTerminatedError",
+    "TLSConnectionError",
     "WorkerLostError",
 ]
 
@@ -30,6 +31,12 @@ class PoolTerminatedError(multiprocessing.ProcessError):
 
 class ClusterConnectionError(ConnectionError):
     """The Dask scheduler could not be reached or started."""
+
+
+class TLSConnectionError(ConnectionError):
+    """A direct connection failed for a TLS reason: one end uses TLS (its
+    cluster does) and the other does not, or their certificates are not signed
+    by the same authority.  The message says which end lacks what."""
 
 
 class ManagerConnectionError(ConnectionError, EOFError):

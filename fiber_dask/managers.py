@@ -23,6 +23,9 @@ fiber-dask changes where things live and how they are reached:
   instead of deadlocking everyone else.
 * ``manager.Pool()`` is a fiber-dask Pool on the same cluster, not a pool of
   local processes.
+* **TLS when the cluster uses it**: the server process listens in the mode
+  (and with the certificate) of the process that started it; see
+  :mod:`fiber_dask.tls`.
 * :class:`AsyncManager` (from Fiber): proxy calls return results to collect
   later, so one controller can drive hundreds of remote objects.
 
@@ -201,13 +204,19 @@ def _watch_parent(ppid: int) -> None:
     threading.Thread(target=watch, name="fiber-manager-watchdog", daemon=True).start()
 
 
-def _server_init(settings: dict, initializer: Any, initargs: tuple) -> None:
-    """Runs first in the server process: bind to the owner's cluster (for
-    ``manager.Pool()``), watch the owner, then the user's initializer."""
+def _server_init(
+    settings: dict, initializer: Any, initargs: tuple, tls_settings: Any = None
+) -> None:
+    """Runs first in the server process (before its listener is made): bind
+    to the owner's cluster (for ``manager.Pool()``), take the owner's TLS
+    mode for the listener, watch the owner, then the user's initializer."""
     import dask.config
+
+    from . import tls
 
     if settings:
         dask.config.set(settings)
+    tls.pin(tls_settings, "the process that started the manager")
     _watch_parent(os.getppid())
     if initializer is not None:
         initializer(*initargs)
@@ -236,10 +245,11 @@ def _inside_cluster() -> bool:
         return False
 
 
-def _cluster_settings() -> dict:
+def _cluster_settings(tls_settings: Any = None) -> dict:
     """Config for the server process so that ``manager.Pool()`` attaches to
-    this process's cluster instead of starting one of its own."""
-    from . import cluster
+    this process's cluster instead of starting one of its own (with this
+    process's certificate when the cluster uses TLS)."""
+    from . import cluster, tls
 
     handle = cluster._handle
     if handle is None:
@@ -251,6 +261,7 @@ def _cluster_settings() -> dict:
     settings = {"fiber.backend": "address", "fiber.address": address}
     if handle.listen_host:
         settings["fiber.listen-host"] = handle.listen_host
+    settings.update(tls.dask_config(tls_settings))
     return settings
 
 
@@ -296,7 +307,18 @@ class BaseManager(_std.BaseManager):
             raise TypeError("initializer must be a callable")
         if self._state.value == State.INITIAL and self._address is None:
             self._address = (_manager_host(), 0)
-        super().start(_server_init, (_cluster_settings(), initializer, tuple(initargs)))
+        from . import tls
+
+        tls_settings = tls.export()  # the server listens as this process connects
+        super().start(
+            _server_init,
+            (
+                _cluster_settings(tls_settings),
+                initializer,
+                tuple(initargs),
+                tls_settings,
+            ),
+        )
 
     def get_server(self) -> Any:
         """A server to run in this process (``serve_forever()``)."""

@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 import weakref
+from multiprocessing.connection import Connection
 from typing import Any
 
 from . import channel
@@ -256,6 +257,7 @@ class Remote:
     def __init__(self, address: tuple[str, int], authkey: bytes, oid: str) -> None:
         self.address, self.authkey, self.oid = tuple(address), authkey, oid
         self._conn: Any = None
+        self._raw = False  # a plain Connection: acks may be written to its fd
         self._corked = False
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -265,6 +267,7 @@ class Remote:
         if self._conn is None or self._pid != os.getpid():
             self._pid = os.getpid()
             self._conn = channel.connect(self.address, self.authkey, SERVICE, self.oid)
+            self._raw = type(self._conn) is Connection  # not a TLSConnection
             self._corked = False
             self._sock = None
         return self._conn
@@ -329,7 +332,9 @@ class Remote:
                     # still sent) and go together with the next request.
                     self._set_cork(conn, True)
                     self._corked = True
-                if os.write(conn.fileno(), self._ACK_FRAME) != len(self._ACK_FRAME):
+                if not self._raw:  # TLS: the frame must be encrypted
+                    conn.send_bytes(b"A")
+                elif os.write(conn.fileno(), self._ACK_FRAME) != len(self._ACK_FRAME):
                     raise OSError("short write")
             except OSError as e:
                 self._drop()
@@ -337,7 +342,8 @@ class Remote:
 
     def _set_cork(self, conn: Any, on: bool) -> None:
         """TCP_CORK (Linux): hold small writes in the send buffer until
-        uncorked (or 200 ms).  Elsewhere a no-op: each write goes at once."""
+        uncorked (or 200 ms).  Elsewhere a no-op: each write goes at once.
+        (Under TLS the corked writes are whole encrypted records.)"""
         if _TCP_CORK is None:
             return
         if self._sock is None:  # a socket object on a dup of the fd, kept

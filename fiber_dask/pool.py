@@ -212,7 +212,7 @@ class Pool(PoolEngine):
         self._service = f"pool-{self._token}"
         authkey = _authkey()
         self._server = channel.get_server(
-            self._handle.listen_host or "127.0.0.1", authkey
+            self._handle.listen_host or "127.0.0.1", authkey, self._handle.client
         )
         self._server.register(
             self._service, functools.partial(_on_connect, weakref.ref(self))

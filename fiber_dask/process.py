@@ -236,7 +236,9 @@ class _Launch:
         self._fds_finalizer = weakref.finalize(self, _close_fds, self._fds)
         token = uuid.uuid4().hex
         self._service = f"process-{token}"
-        self._server = channel.get_server(handle.listen_host or "127.0.0.1", _authkey())
+        self._server = channel.get_server(
+            handle.listen_host or "127.0.0.1", _authkey(), handle.client
+        )
         self._server.register(self._service, self._on_connect)
         self._future: Any = None
         try:

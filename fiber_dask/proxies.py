@@ -16,6 +16,10 @@ changes is how a proxy reaches its manager, which this module supplies:
   of ``fiber.connect-timeout``, and a :class:`ManagerConnectionError` that says
   which manager is gone.  It subclasses both ``ConnectionError`` and
   ``EOFError``: the stdlib raises one or the other depending on the moment.
+* **TLS when the cluster uses it**: the manager's server and its clients
+  speak TLS with the cluster's certificates (see :mod:`fiber_dask.tls`); the
+  server process gets its owner's mode, and the stdlib's authkey handshake
+  runs inside TLS.
 * **AsyncManager** proxies (from Fiber) return an :class:`AsyncProxyResult`
   per call: requests are pipelined on the connection and the replies read in
   order when a result is asked for.
@@ -36,8 +40,9 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from multiprocessing import connection, managers
 from typing import Any
 
-from .channel import _tune
-from .errors import ManagerConnectionError
+from . import tls
+from .channel import _HANDSHAKE_TIMEOUT, _tune
+from .errors import ManagerConnectionError, TLSConnectionError
 
 __all__ = [
     "AsyncAutoProxy",
@@ -76,8 +81,10 @@ def _socket_client(connection_class: Any):
         if not isinstance(address, tuple):  # a Unix socket path: stdlib as is
             return connection.Client(address, family, authkey)
         host, port = address[:2]
+        context = tls.client_context()
+        timeout = _connect_timeout()
         try:
-            sock = socket.create_connection((host, port), timeout=_connect_timeout())
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise ManagerConnectionError(
                 f"cannot reach the manager at {host}:{port} ({e}). Its process has "
@@ -86,8 +93,13 @@ def _socket_client(connection_class: Any):
             ) from e
         try:
             _tune(sock)
-            sock.settimeout(None)
-            conn = connection.Connection(sock.detach())
+            if context is None:
+                sock.settimeout(None)
+                conn = connection.Connection(sock.detach())
+            else:
+                conn = tls.connect(
+                    sock, context, timeout, f"the manager at {host}:{port}"
+                )
         except OSError:
             sock.close()
             raise
@@ -95,9 +107,19 @@ def _socket_client(connection_class: Any):
             try:
                 connection.answer_challenge(conn, authkey)
                 connection.deliver_challenge(conn, authkey)
-            except BaseException:
+            except BaseException as e:
                 conn.close()
-                raise
+                if "FIBER-TLS" in str(e):  # the stdlib's error quotes the hello
+                    raise TLSConnectionError(
+                        f"the manager at {host}:{port} requires TLS (its Dask cluster "
+                        "uses TLS) but this process has no TLS for its direct "
+                        f"connections ({tls.mode_source()}): give it the cluster's "
+                        "TLS settings (distributed.comm.tls.*, require-encryption)"
+                    ) from None
+                err = tls.handshake_error(e, f"the manager at {host}:{port}")
+                if err is e:
+                    raise
+                raise err from e
         if connection_class is not connection.Connection:
             conn = connection_class(conn)
         return conn
@@ -107,9 +129,20 @@ def _socket_client(connection_class: Any):
 
 class _Listener(connection.Listener):
     """The stdlib Listener; accepted sockets get keep-alive so that a serving
-    thread whose client host vanished ends (and releases what it held)."""
+    thread whose client host vanished ends (and releases what it held).  TLS
+    if this process's cluster uses TLS (decided when the listener is made);
+    the handshake then runs in the thread that serves the connection, not in
+    the server's accept loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._context = (
+            tls.server_context() if isinstance(self.address, tuple) else None
+        )
 
     def accept(self) -> Any:
+        if self._context is not None:
+            return self._accept_tls()
         conn = super().accept()
         c = getattr(conn, "_conn", conn)  # xmlrpc wraps the Connection
         try:
@@ -121,6 +154,19 @@ class _Listener(connection.Listener):
         except OSError:
             pass
         return conn
+
+    def _accept_tls(self) -> Any:
+        listener = self._listener
+        if listener is None:
+            raise OSError("listener is closed")
+        sock, listener._last_accepted = listener._socket.accept()
+        try:
+            sock.setblocking(True)
+            _tune(sock)
+        except OSError:
+            sock.close()
+            raise
+        return tls.TLSConnection.server(sock, self._context, lazy=_HANDSHAKE_TIMEOUT)
 
 
 class _XmlClientWrap(connection.ConnectionWrapper):

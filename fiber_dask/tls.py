@@ -1,0 +1,733 @@
+"""TLS on fiber-dask's direct connections, with the certificates Dask uses.
+
+When the cluster uses TLS (a ``tls://`` scheduler, ``distributed.comm.
+require-encryption``, a ``distributed.security.Security`` with certificates,
+workers started with ``--tls-*``), every direct connection of this program --
+channel (Pool loops, Process launchers), object server (Queues, Pipes, Locks)
+and Manager -- is TLS too: mutually authenticated by the cluster's CA, with the
+authkey HMAC handshake still run on top.  Without TLS nothing changes: plain
+``multiprocessing.connection.Connection`` objects, the fast paths as they were.
+
+Which mode a process uses (:func:`mode`), first match wins:
+
+1. what the process that started it fixed with :func:`pin` (a Manager's server
+   process gets its owner's mode);
+2. the cluster handle fiber-dask resolved in this process: its client's
+   ``security`` and scheduler address;
+3. inside a Dask worker: the worker's ``security`` and address;
+4. a default ``distributed.Client`` (when no scheduler is configured);
+5. Dask's config: ``distributed.comm.require-encryption`` or a configured
+   ``tls://`` scheduler address, with the ``distributed.comm.tls.*``
+   certificates (what a Process child gets from its launcher).
+
+TLS is on when that cluster uses it; the certificate is the process's own in
+Dask's terms (a worker's, else a client's).  Servers listen with
+``Security.get_listen_args(role)``'s context and clients connect with
+``get_connection_args(role)``'s: both require the peer's certificate.
+
+On the wire, a TLS endpoint first sends one length-prefixed frame in clear,
+:data:`HELLO`, then runs the TLS handshake.  A plaintext client reads it where
+it expects the authkey challenge and fails at once with a
+:class:`~fiber_dask.errors.TLSConnectionError` saying so (a stdlib client shows
+the text); a TLS client that gets a challenge instead refuses to go on in
+clear.  Neither end waits for the other: nothing hangs.
+
+:class:`TLSConnection` is a ``multiprocessing.connection.Connection`` over TLS
+(the stdlib's reads and writes the raw file descriptor).  It keeps the TLS
+state in an ``ssl.SSLObject`` over memory buffers, touched only under a lock,
+so one thread may send while another receives (an ``SSLSocket`` may not be
+used so).  It reads the socket one TLS record at a time and never past the end
+of a message, so a readable file descriptor still means "a message is coming"
+for code that selects on it (a Pool's result thread); :meth:`~TLSConnection.
+poll` also sees what is already decrypted.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from multiprocessing import AuthenticationError, BufferTooShort
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from .errors import TLSConnectionError
+
+# Nothing here imports ``ssl`` or ``distributed`` until TLS is in use: a
+# process without TLS (a Process child, say) pays nothing for this module.
+ssl: Any = None  # the module, imported by _ssl() with the first TLS use
+
+
+def _ssl() -> Any:
+    global ssl
+    if ssl is None:
+        import ssl as module
+
+        ssl = module
+    return ssl
+
+
+__all__ = [
+    "HELLO",
+    "TLSConnection",
+    "client_context",
+    "connect",
+    "export",
+    "is_hello",
+    "mode",
+    "pin",
+    "server_context",
+]
+
+#: The clear-text frame a TLS endpoint sends before its handshake.  Short
+#: enough for any client's bounded first read; says what the client lacks.
+HELLO = (
+    b"#FIBER-TLS# this fiber-dask endpoint requires TLS (its Dask cluster uses "
+    b"TLS): connect with the cluster's TLS settings"
+)
+_HELLO_TAG = b"#FIBER-TLS#"
+_CHALLENGE_TAG = b"CHALLENGE#"  # the end of fiber-dask's and the stdlib's tags
+
+_RECORD_HEADER = 5
+_RECORD_MAX = 16384 + 2048  # the largest TLS record body (TLS 1.2 ciphertext)
+_PLAIN_MAX = 16384  # the most plaintext one record holds
+_CONTENT_TYPES = (20, 21, 22, 23, 24)
+_WRITE_CHUNK = 256 * 1024  # plaintext encrypted and sent at a time
+_SMALL = 16384  # messages up to this size go in one write with their header
+
+
+def is_hello(message: bytes) -> bool:
+    """Whether a first message is a TLS endpoint's :data:`HELLO`."""
+    return bytes(message[: len(_HELLO_TAG)]) == _HELLO_TAG
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("!i", len(payload)) + payload
+
+
+class TLSConnection:
+    """``multiprocessing.connection.Connection``'s interface over TLS.
+
+    Same framing as the stdlib's (a 4-byte big-endian length, or -1 and an
+    8-byte one), inside the TLS stream.  Made by :meth:`server` (an accepted
+    socket) or :func:`connect`; ``fileno()`` is the socket's, for
+    ``select``/``poll`` on it and for ``shutdown``.
+    """
+
+    def __init__(
+        self, sock: socket.socket, context: ssl.SSLContext, server_side: bool
+    ) -> None:
+        _ssl()
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._ssl = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self._ssl_lock = threading.Lock()  # the SSL object and its buffers
+        self._send_lock = threading.Lock()  # one writer at a time, records in order
+        self._recv_lock = threading.Lock()  # one reader at a time
+        self._buf = bytearray(_RECORD_MAX)
+        self._head = b""  # bytes of the next record's header read so far
+        self._left = 0  # bytes of the current record still on the socket
+        self._stash = bytearray()  # decrypted by poll(), not yet taken
+        self._eof = False
+        self._closed = False
+        self._lazy: float | None = None  # server handshake still to do (timeout)
+        self._broken: BaseException | None = None
+
+    @classmethod
+    def server(
+        cls, sock: socket.socket, context: ssl.SSLContext, lazy: float | None = None
+    ) -> TLSConnection:
+        """The server end over an accepted socket.  With ``lazy`` (a timeout)
+        the hello and handshake run on first use, in the thread that serves
+        the connection (a Manager's accept loop must not wait for a peer);
+        else call :meth:`handshake`."""
+        conn = cls(sock, context, server_side=True)
+        conn._lazy = lazy
+        return conn
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"fd={self._fd}"
+        return f"<TLSConnection {state}>"
+
+    # ------------------------------------------------------------ handshake
+
+    def handshake(self, timeout: float) -> None:
+        """Server: send :data:`HELLO` and run the TLS handshake.  Client
+        (from :func:`connect`): run the handshake.  Raises ``ssl.SSLError``,
+        ``TimeoutError`` or ``EOFError``."""
+        self._lazy = None
+        deadline = time.monotonic() + timeout
+        sock = self._sock
+        try:
+            if self._ssl.server_side:
+                sock.settimeout(timeout)
+                sock.sendall(_frame(HELLO))
+            while True:
+                try:
+                    self._ssl.do_handshake()
+                    done = True
+                except ssl.SSLWantReadError:
+                    done = False
+                except ssl.SSLError:
+                    self._send_alert()
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0 and not done:
+                    raise TimeoutError(f"TLS handshake took over {timeout:g} s")
+                sock.settimeout(max(left, 1.0))
+                out = self._out.read()
+                if out:
+                    sock.sendall(out)
+                if done:
+                    return
+                self._pull()
+        finally:
+            sock.settimeout(None)
+
+    def _send_alert(self) -> None:
+        """Best effort: tell the peer why (the alert OpenSSL queued)."""
+        try:
+            out = self._out.read()
+            if out:
+                self._sock.settimeout(1.0)
+                self._sock.sendall(out)
+        except OSError:
+            pass
+
+    def _ready(self) -> None:
+        if self._lazy is not None or self._broken is not None:
+            with self._send_lock, self._recv_lock:
+                if self._broken is not None:
+                    raise OSError(f"TLS handshake failed: {self._broken}")
+                if self._lazy is not None:
+                    try:
+                        self.handshake(self._lazy)
+                    except BaseException as e:
+                        self._broken = e
+                        raise
+
+    # ------------------------------------------------------------ reading
+
+    def _pull(self, flags: int = 0) -> None:
+        """Move bytes of the current TLS record from the socket into the SSL
+        object's input, never past the record's end.  Raises ``EOFError`` at
+        the end of the stream, ``BlockingIOError`` if ``flags`` say not to
+        wait and nothing is there."""
+        if self._left == 0:
+            data = self._sock.recv(_RECORD_HEADER - len(self._head), flags)
+            if not data:
+                raise EOFError
+            self._head += data
+            if len(self._head) < _RECORD_HEADER:
+                return
+            head, self._head = self._head, b""
+            length = int.from_bytes(head[3:5], "big")
+            if head[0] not in _CONTENT_TYPES or length > _RECORD_MAX:
+                raise ssl.SSLError(
+                    f"the peer did not send TLS (got {head!r}): is it configured "
+                    "for TLS?"
+                )
+            self._left = length
+            with self._ssl_lock:
+                self._in.write(head)
+            return
+        n = self._sock.recv_into(self._buf, min(self._left, len(self._buf)), flags)
+        if n == 0:
+            raise EOFError
+        self._left -= n
+        with self._ssl_lock:
+            self._in.write(memoryview(self._buf)[:n])
+
+    def _decrypt(self, n: int) -> bytes | None:
+        """Up to ``n`` decrypted bytes, b"" at the end of the TLS stream, or
+        None if a record must be read first."""
+        with self._ssl_lock:
+            try:
+                data = self._ssl.read(n)
+            except ssl.SSLWantReadError:
+                data = None
+            except ssl.SSLZeroReturnError:
+                data = b""
+            reply = self._out.pending
+        if reply:  # the peer's message asked for an answer (an alert, a key update)
+            self._flush()
+        return data
+
+    def _flush(self) -> None:
+        with self._send_lock:
+            with self._ssl_lock:
+                out = self._out.read()
+            if out:
+                self._sock.sendall(out)
+
+    def _read(self, n: int) -> bytes:
+        """Exactly ``n`` decrypted bytes (blocking); ``EOFError`` before."""
+        chunks = []
+        if self._stash:
+            taken = bytes(self._stash[:n])
+            del self._stash[:n]
+            chunks.append(taken)
+            n -= len(taken)
+        while n:
+            data = self._decrypt(min(n, _PLAIN_MAX))
+            if data is None:
+                if self._eof:
+                    raise EOFError
+                try:
+                    self._pull()
+                except EOFError:
+                    self._eof = True
+                    raise
+                continue
+            if not data:
+                self._eof = True
+                raise EOFError
+            chunks.append(data)
+            n -= len(data)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _read_header(self) -> int:
+        (size,) = struct.unpack("!i", self._read(4))
+        if size == -1:
+            (size,) = struct.unpack("!Q", self._read(8))
+        return size
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        """Receive one message (blocking)."""
+        self._check_closed()
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        self._ready()
+        with self._recv_lock:
+            size = self._read_header()
+            if maxlength is not None and size > maxlength:
+                raise OSError("bad message length")
+            return self._read(size) if size else b""
+
+    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
+        """Receive one message into ``buf`` at ``offset``; its size.  Raises
+        ``BufferTooShort`` (holding the message) when it does not fit."""
+        self._check_closed()
+        with memoryview(buf) as m:
+            bytesize = m.itemsize * len(m)
+            if offset < 0:
+                raise ValueError("negative offset")
+            if offset > bytesize:
+                raise ValueError("offset too large")
+            data = self.recv_bytes()
+            size = len(data)
+            if bytesize < offset + size:
+                raise BufferTooShort(data)
+            with m.cast("B") as flat:
+                flat[offset : offset + size] = data
+            return size
+
+    def recv(self) -> Any:
+        """Receive a pickled object."""
+        return ForkingPickler.loads(self.recv_bytes())
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message (or the end of the stream) is there to read,
+        waiting up to ``timeout`` seconds (None: forever).  Looks at what
+        is already decrypted or buffered before the socket."""
+        self._check_closed()
+        self._ready()
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+        with self._recv_lock:
+            while True:
+                if self._stash or self._eof:
+                    return True
+                data = self._decrypt(_PLAIN_MAX)
+                if data is not None:
+                    if not data:
+                        self._eof = True
+                    self._stash += data
+                    return True
+                try:
+                    self._pull(socket.MSG_DONTWAIT)
+                    continue
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except EOFError:
+                    self._eof = True
+                    return True
+                except OSError:
+                    return True  # the error is the next recv's
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not _readable(self._fd, left):
+                    return False
+
+    # ------------------------------------------------------------ writing
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
+        """Send the bytes of a bytes-like object as one message."""
+        self._check_closed()
+        m = memoryview(buf)
+        if m.itemsize > 1:
+            m = m.cast("B")
+        n = m.nbytes
+        if offset < 0:
+            raise ValueError("offset is negative")
+        if n < offset:
+            raise ValueError("buffer length < offset")
+        if size is None:
+            size = n - offset
+        elif size < 0:
+            raise ValueError("size is negative")
+        elif offset + size > n:
+            raise ValueError("buffer length < offset + size")
+        m = m[offset : offset + size]
+        if size > 0x7FFFFFFF:
+            header = struct.pack("!iQ", -1, size)
+        else:
+            header = struct.pack("!i", size)
+        self._ready()
+        with self._send_lock:
+            if size <= _SMALL:
+                self._write(header + m)
+            else:
+                first = _WRITE_CHUNK - len(header)
+                self._write(header + m[:first])
+                for i in range(first, size, _WRITE_CHUNK):
+                    self._write(m[i : i + _WRITE_CHUNK])
+
+    def _write(self, data: Any) -> None:
+        with self._ssl_lock:
+            self._ssl.write(data)
+            out = self._out.read()
+        self._sock.sendall(out)
+
+    def send(self, obj: Any) -> None:
+        """Send a picklable object."""
+        self.send_bytes(ForkingPickler.dumps(obj))
+
+    # ------------------------------------------------------------ the rest
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise OSError("handle is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        self._check_closed()
+        return self._fd
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+    def __enter__(self) -> TLSConnection:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    while True:
+        try:
+            return bool(poller.poll(ms))
+        except InterruptedError:
+            continue
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        data += chunk
+    return data
+
+
+def connect(
+    sock: socket.socket, context: ssl.SSLContext, timeout: float, where: str
+) -> TLSConnection:
+    """The client end over a connected socket: read the server's
+    :data:`HELLO`, run the handshake.  ``where`` names the server in errors.
+
+    Raises :class:`TLSConnectionError` if the server does not use TLS or the
+    handshake fails, ``AuthenticationError`` if it speaks neither protocol.
+    """
+    _ssl()
+    try:
+        sock.settimeout(timeout)
+        try:
+            (size,) = struct.unpack("!i", _recv_exact(sock, 4))
+            first = _recv_exact(sock, size) if 0 < size <= 256 else b""
+        except (TimeoutError, socket.timeout):
+            raise AuthenticationError(
+                f"{where} sent nothing for {timeout:g} s (not a fiber-dask endpoint?)"
+            ) from None
+        if not is_hello(first):
+            if _CHALLENGE_TAG in first:
+                raise TLSConnectionError(
+                    f"{where} does not use TLS, but this process's Dask cluster does "
+                    f"({mode_source()}): refusing to send data in clear. The process "
+                    "that owns the endpoint must use the same Dask security settings."
+                )
+            raise AuthenticationError(f"{where} did not speak the fiber-dask handshake")
+        conn = TLSConnection(sock, context, server_side=False)
+        try:
+            conn.handshake(timeout)
+        except ssl.SSLError as e:
+            raise TLSConnectionError(
+                f"TLS handshake with {where} failed ({e.reason or e}): are both "
+                "certificates signed by the cluster's CA?"
+            ) from e
+        except EOFError as e:
+            raise TLSConnectionError(
+                f"{where} closed the connection during the TLS handshake (it did not "
+                "accept this process's certificate?)"
+            ) from e
+        return conn
+    except BaseException:
+        sock.close()
+        raise
+
+
+def handshake_error(e: BaseException, where: str) -> BaseException:
+    """A clearer error for an ``ssl.SSLError`` raised after the handshake (TLS
+    1.3 clients hear that their certificate was refused only then)."""
+    if ssl is not None and isinstance(e, ssl.SSLError):
+        err = TLSConnectionError(
+            f"TLS connection to {where} failed ({e.reason or e}): the server did not "
+            "accept this process's certificate (not signed by the cluster's CA?)"
+        )
+        err.__cause__ = e
+        return err
+    return e
+
+
+# --------------------------------------------------------------- the mode
+
+_UNSET: Any = object()
+_pinned: Any = _UNSET  # (Security | None, role, source) fixed by pin()
+_contexts: dict = {}
+_contexts_lock = threading.Lock()
+_ROLES = ("client", "worker", "scheduler")
+
+
+def pin(
+    settings: dict | None, source: str = "the process that started this one"
+) -> None:
+    """Fix this process's mode: ``settings`` from :func:`export` (TLS) or
+    None (no TLS), whatever the config says."""
+    global _pinned
+    if settings is None:
+        _pinned = (None, None, source)
+        return
+    from distributed.security import Security
+
+    settings = dict(settings)
+    role = settings.pop("role")
+    _pinned = (Security(**settings), role, source)
+
+
+def export() -> dict | None:
+    """This process's mode, to :func:`pin` in another process: the
+    ``Security`` arguments of its certificate (as a client's), or None."""
+    security, role, _ = mode()
+    if security is None:
+        return None
+    tls = security.get_tls_config_for_role(role)
+    settings = {
+        "role": "client",
+        "require_encryption": True,
+        "tls_ca_file": tls["ca_file"],
+        "tls_client_cert": tls["cert"],
+        "tls_client_key": tls["key"],
+        "tls_min_version": security.tls_min_version,
+        "tls_max_version": security.tls_max_version,
+    }
+    if tls.get("ciphers"):
+        settings["tls_ciphers"] = tls["ciphers"]
+    return settings
+
+
+def dask_config(settings: dict | None) -> dict:
+    """Dask config that makes a new ``Security()`` (and so a client of the
+    scheduler) use the certificate of :func:`export`'s ``settings``."""
+    if settings is None:
+        return {}
+    names = {
+        "tls_ca_file": "distributed.comm.tls.ca-file",
+        "tls_client_cert": "distributed.comm.tls.client.cert",
+        "tls_client_key": "distributed.comm.tls.client.key",
+        "tls_ciphers": "distributed.comm.tls.ciphers",
+    }
+    config = {"distributed.comm.require-encryption": True}
+    for key, name in names.items():
+        if settings.get(key):
+            config[name] = settings[key]
+    return config
+
+
+def mode(client: Any = None) -> tuple[Any, str | None, str]:
+    """``(security, role, source)``: the ``distributed.Security`` whose
+    certificate of ``role`` this process's direct connections use, or None
+    for no TLS; ``source`` says where that was decided (for errors).
+    ``client``: the ``distributed.Client`` of the object the connection is
+    for (a Pool or Process made with ``client=``/``address=``), if known."""
+    if _pinned is not _UNSET:
+        return _pinned
+    if client is not None:
+        return _from_client(client, "the cluster of its Pool or Process")
+    from . import cluster
+
+    handle = cluster._handle
+    if handle is not None:
+        return _from_client(handle.client, "its fiber-dask cluster handle")
+    worker = _this_worker()
+    if worker is not None:
+        return _decide(
+            getattr(worker, "security", None),
+            _address_of(worker),
+            "worker",
+            "its Dask worker",
+        )
+    from . import config
+    from .backends.address import configured_address
+
+    address, where = configured_address()
+    if not address and not config.get("backend"):
+        client = _default_client()
+        if client is not None:
+            return _from_client(client, "the default distributed.Client")
+    import dask.config
+
+    required = dask.config.get("distributed.comm.require-encryption", None)
+    if not required and not (address or "").startswith("tls://"):
+        return None, None, "Dask's config (no TLS)"
+    from distributed.security import Security
+
+    source = "distributed.comm.require-encryption" if required else where
+    return _decide(Security(), address or "", "client", source)
+
+
+def mode_source() -> str:
+    try:
+        return mode()[2]
+    except Exception as e:  # only for messages
+        return repr(e)
+
+
+def _address_of(obj: Any) -> str:
+    try:
+        return obj.address or ""
+    except Exception:
+        return ""
+
+
+def _from_client(client: Any, source: str) -> tuple:
+    try:
+        address = client.scheduler.address or ""
+    except AttributeError:
+        address = ""
+    return _decide(getattr(client, "security", None), address, "client", source)
+
+
+def _decide(security: Any, address: str, role: str, source: str) -> tuple:
+    uses_tls = address.startswith("tls://") or bool(
+        security is not None and security.require_encryption
+    )
+    if not uses_tls:
+        return None, None, f"{source} (no TLS)"
+    for r in (role, *_ROLES):
+        tls = security.get_tls_config_for_role(r) if security is not None else {}
+        if tls.get("ca_file") and tls.get("cert"):
+            return security, r, f"{source}: TLS"
+    raise TLSConnectionError(
+        f"this process's Dask cluster uses TLS ({source}) but it has no TLS "
+        "certificate and CA for fiber-dask's direct connections: configure "
+        "distributed.comm.tls.ca-file and a certificate (client/worker) as for Dask"
+    )
+
+
+def _this_worker() -> Any:
+    module = sys.modules.get("distributed.worker")
+    if module is None:  # not imported: this process runs no worker
+        return None
+    try:
+        return module.get_worker()
+    except ValueError:
+        pass
+    try:  # a thread of a worker process outside its tasks
+        for worker in list(module.Worker._instances):
+            if _address_of(worker):
+                return worker
+    except Exception:
+        pass
+    return None
+
+
+def _default_client() -> Any:
+    module = sys.modules.get("distributed.client")
+    if module is None:  # not imported: there is no client
+        return None
+    try:
+        return module._get_global_client()
+    except Exception:
+        return None
+
+
+def _context(server: bool, client: Any = None) -> ssl.SSLContext | None:
+    security, role, _ = mode(client)
+    if security is None:
+        return None
+    tls = security.get_tls_config_for_role(role)
+    key = (
+        server,
+        tls.get("ca_file"),
+        tls.get("cert"),
+        tls.get("key"),
+        tls.get("ciphers"),
+        security.tls_min_version,
+        security.tls_max_version,
+    )
+    _ssl()
+    with _contexts_lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            if server:
+                ctx = security.get_listen_args(role)["ssl_context"]
+                ctx.num_tickets = 0  # nothing after the handshake: no resumption
+            else:
+                ctx = security.get_connection_args(role)["ssl_context"]
+            ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
+            _contexts[key] = ctx
+        return ctx
+
+
+def server_context(client: Any = None) -> ssl.SSLContext | None:
+    """The context endpoints of this process listen with, or None (no TLS);
+    ``client`` as for :func:`mode`."""
+    return _context(True, client)
+
+
+def client_context() -> ssl.SSLContext | None:
+    """The context this process connects with, or None (no TLS)."""
+    return _context(False)
