@@ -7,8 +7,9 @@ carries one whose unpickling creates a file in ``markers``: if any such file
 exists afterwards, some endpoint unpickled a stranger's data.
 
 The endpoints speak either fiber-dask's channel handshake or the stdlib's
-``multiprocessing.connection`` one (a Manager's server); the attacks work
-against both.  Protocol with the test (JSON lines on stdout, lines on stdin):
+``multiprocessing.connection`` one (a Manager's server), in clear or, on a
+TLS cluster, inside TLS after a clear-text hello; the attacks work against
+all of them.  The stranger has no certificate of the cluster.  Protocol with the test (JSON lines on stdout, lines on stdin):
 
 1. each endpoint gets every attack (endpoints in parallel);
 2. ``{"event": "holding"}``: a silent connection (connected, never says a word)
@@ -23,6 +24,7 @@ import json
 import os
 import pickle
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -31,6 +33,7 @@ from multiprocessing import connection
 
 _CHALLENGE = b"CHALLENGE#"  # the end of both protocols' challenge tags
 _FAILURE = b"FAILURE#"
+_TLS_HELLO = b"#FIBER-TLS#"  # what a TLS endpoint says first, in clear
 
 
 class Evil:
@@ -81,6 +84,7 @@ def drain(sock: socket.socket, timeout: float, got: bytes = b"") -> dict:
         "received": len(got),
         "challenge": _CHALLENGE in got,
         "failure": _FAILURE in got,
+        "tls_hello": got[4 : 4 + len(_TLS_HELLO)] == _TLS_HELLO,
     }
 
 
@@ -108,6 +112,22 @@ def attack(addr: tuple, markers: str) -> dict:
     with socket.create_connection(addr, timeout=5) as s:
         s.sendall(struct.pack("!i", 2**31 - 1) + b"x" * 1024)
         out["oversized"] = drain(s, 15)
+
+    # TLS without a certificate of the cluster's CA, then a pickle.
+    from fiber_dask import tls
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        sock = socket.create_connection(addr, timeout=5)
+        conn = tls.connect(sock, ctx, 5, f"{addr}")
+        conn.send_bytes(pickle.dumps(Evil(mark.format("tls"))))
+        conn.recv_bytes()
+        out["tls_no_cert"] = "answered"
+        conn.close()
+    except Exception as e:
+        out["tls_no_cert"] = f"{type(e).__name__}: {e}"
 
     # The real clients with the wrong authkey: fiber-dask's channel (the
     # hello it would send after authenticating is the pickle) and the stdlib's.

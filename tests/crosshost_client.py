@@ -176,6 +176,23 @@ def child_cut(lock, conn):
         conn.send(("pong", conn.recv()))
 
 
+def wire_child(q, back, ml, carried, token):
+    """On a worker host: take the client's queue items, send some back, add
+    to the client's Manager; ``carried`` came in this Process's arguments.
+    Markers are made here from the token, so each crosses the network only
+    on the path it names."""
+    got = [q.get(timeout=30) for _ in range(3)]
+    back.put((f"QUEUE-BACK-{token}" * 40, host_ip(), len(got), carried[:8]))
+    ml.append(f"MANAGER-{token}" * 40)
+    back.close()
+    back.join_thread()
+
+
+def wire_task(arg, token):
+    """A Pool task: its argument and its result carry markers."""
+    return arg.count(f"POOL-ARG-{token}"), f"POOL-RESULT-{token}" * 40, host_ip()
+
+
 class Stdin:
     """Lines from the test, read in the background (the main thread works)."""
 
@@ -334,6 +351,41 @@ def scenario_manager(params: dict) -> dict:
         out["queue"] = got
         out["exitcodes"] = [p.exitcode for p in ps]
         out["manager_address"] = list(manager.address)
+    return out
+
+
+def scenario_wire(params: dict) -> dict:
+    """Data with known markers (``<PATH>-<token>``) through a Queue (both
+    ways), a Process's arguments, a Manager and a Pool's arguments and
+    results, between this host and the worker hosts, while the test captures
+    at the switch."""
+    mp = multiprocessing
+    names = sorted(params["workers"])
+    token = params["token"]
+    out: dict = {}
+    with mp.Manager() as manager:
+        q, back = mp.Queue(), mp.Queue()
+        ml = manager.list()
+        for _ in range(3):
+            q.put(f"QUEUE-{token}" * 40)
+        p = mp.Process(
+            target=wire_child,
+            args=(q, back, ml, f"PROCESS-{token}" * 40, token),
+            resources={names[0]: 1},
+        )
+        p.start()
+        item, where, n, carried = back.get(timeout=60)
+        p.join(60)
+        out["queue_back"] = item == f"QUEUE-BACK-{token}" * 40 and n == 3
+        out["process"] = [where, carried, p.exitcode]
+        out["manager"] = list(ml) == [f"MANAGER-{token}" * 40]
+    with mp.Pool(2) as pool:
+        args = [(f"POOL-ARG-{token}" * 40, token)] * 6
+        res = pool.starmap(wire_task, args, chunksize=1)
+    out["pool"] = [r[0] for r in res] == [40] * 6 and all(
+        r[1] == f"POOL-RESULT-{token}" * 40 for r in res
+    )
+    out["pool_hosts"] = sorted({r[2] for r in res})
     return out
 
 

@@ -39,6 +39,8 @@ Using it (see ``test_crosshost.py`` for the fixtures)::
         w1.cut()           # pull its cable at the switch; w1.restore() plugs it back
         w1.listeners()     # `ss -ltnp` inside the namespace
         net.remove_host(w1)
+        cap = net.switch_host().python("crosshost_capture.py", '{"markers": [...]}')
+                           # a process in the switch: sees every frame between hosts
 
 The pytest process itself stays in the root namespace: code that must run *on*
 a host runs as a subprocess there (``Host.spawn`` / ``Host.python``), with
@@ -233,6 +235,12 @@ class Network:
                 os.kill(p, signal.SIGKILL)
         _ip("netns", "del", self.switch, check=False)
 
+    def switch_host(self) -> Host:
+        """The switch's namespace as a host that runs processes (a capture of
+        what the hosts send each other: ``crosshost_capture.py``).  It has no
+        address and no cable; its processes end with the network."""
+        return _Switch(self)
+
     def logs(self, tail: int = 40) -> str:
         """The last lines of every log, for failure messages."""
         out = []
@@ -394,6 +402,18 @@ class Host:
             time.sleep(0.05)
         _ip("netns", "del", self.ns, check=False)
         self._deleted = True
+
+
+class _Switch(Host):
+    """The switch namespace, for :meth:`Host.spawn` / :meth:`Host.python` only."""
+
+    def __init__(self, net: Network) -> None:  # noqa: D107 - no namespace to make
+        self.net = net
+        self.name = "switch"
+        self.number = 0
+        self.ns = net.switch
+        self.ip = self.side_ip = None
+        self._deleted = True  # Network.close() deletes the switch itself
 
 
 def _alive(pid: int) -> bool:

@@ -16,6 +16,11 @@ resource ``wN``, so ``Process(resources={"w2": 1})`` runs on w2),
 act in the middle of it).  A test that destroys a host (kill, cut) makes its
 own with ``fresh_worker(name)``, so the shared hosts stay healthy.
 
+Under TLS, fiber-dask's own connections are TLS too: a capture in the switch
+(``crosshost_capture.py``, an ``AF_PACKET`` socket) finds the data's markers
+in clear with plain TCP and nowhere under TLS, and the stranger's attacks get
+the clear-text TLS hello, then nothing.
+
 Timeouts: ``fiber.peer-timeout`` is 4 s in the partition test (client and
 that worker's environment); elsewhere the defaults apply.
 """
@@ -23,6 +28,7 @@ that worker's environment); elsewhere the defaults apply.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 import pytest
@@ -138,6 +144,48 @@ def test_manager_across_hosts(net, cluster, client_host):
     assert r["exitcodes"] == [0, 0]
 
 
+def test_what_crosses_the_network_is_encrypted_under_tls(net, cluster, client_host):
+    """Data with known markers through every kind of direct connection, while
+    a capture at the switch searches every TCP segment between the hosts for
+    them: all there in clear with plain TCP (the control), none under TLS."""
+    token = secrets.token_hex(8)
+    paths = ("QUEUE", "QUEUE-BACK", "PROCESS", "MANAGER", "POOL-ARG", "POOL-RESULT")
+    markers = {path: f"{path}-{token}" for path in paths}
+    capture = net.switch_host().python(
+        "crosshost_capture.py", json.dumps({"markers": list(markers.values())})
+    )
+    try:
+        capture.expect("capturing", timeout=30)
+        ips = worker_ips(net)
+        r = run_client(client_host, cluster, "wire", {"workers": ips, "token": token})
+    finally:
+        capture.send("stop")
+    seen = capture.expect("result", timeout=30)
+    capture.wait()
+    # It worked, across hosts.
+    assert r["queue_back"] and r["manager"] and r["pool"], r
+    assert r["process"] == [ips["w1"], "PROCESS-", 0], r
+    assert set(r["pool_hosts"]) <= set(ips.values()), r
+    # The capture saw the traffic between the client and the worker hosts.
+    from_client = sum(
+        n for pair, n in seen["between"].items() if pair.startswith(client_host.ip)
+    )
+    to_client = sum(
+        n for pair, n in seen["between"].items() if pair.endswith(client_host.ip)
+    )
+    assert from_client > 10_000 and to_client > 10_000, seen
+    found = {path: seen["found"][m] for path, m in markers.items()}
+    print(  # shown with -rP: what the capture saw
+        f"capture ({net.protocol}): {seen['frames']} frames, "
+        f"{seen['payload_bytes']} TCP payload bytes, client->workers {from_client}, "
+        f"workers->client {to_client}; markers seen: {found}"
+    )
+    if net.protocol == "tls":
+        assert found == dict.fromkeys(paths, 0), found
+    else:
+        assert all(found.values()), found
+
+
 @pytest.fixture(scope="module")
 def stranger(net):
     """A host on the Dask network that is no part of the program."""
@@ -228,17 +276,34 @@ def test_strangers_are_rejected_and_nothing_is_unpickled(net, served, stranger):
         "manager": True,
     }
     assert result["exitcode"] == 0
+    tls = net.protocol == "tls"
     for addr, outcome in r["attacks"].items():
         assert "attack-failed" not in outcome, (addr, outcome)
         for kind in ("junk", "pickle_first", "pickle_answer", "oversized"):
-            # The server spoke first (its challenge), then hung up on us at once.
-            assert outcome[kind]["challenge"], (addr, kind, outcome[kind])
-            assert outcome[kind]["closed"], (addr, kind, outcome[kind])
-            assert outcome[kind]["seconds"] < 5, (addr, kind, outcome[kind])
+            # The server spoke first (its challenge; under TLS its clear-text
+            # hello, the challenge going inside TLS), then hung up on us at once.
+            said = outcome[kind]
+            assert said["tls_hello" if tls else "challenge"], (addr, kind, said)
+            assert not said["challenge" if tls else "tls_hello"], (addr, kind, said)
+            assert said["closed"], (addr, kind, outcome[kind])
+            assert said["seconds"] < 5, (addr, kind, outcome[kind])
         for kind in ("pickle_first", "pickle_answer"):
-            assert outcome[kind]["failure"], (addr, kind, outcome[kind])
+            # Plain: a failed digest.  TLS: not even a TLS handshake.
+            assert outcome[kind]["failure"] is not tls, (addr, kind, outcome[kind])
         for kind in ("objects", "pool-x", "process-x", "stdlib"):
             assert outcome[f"wrong_key_{kind}"] != "connected", (addr, kind, outcome)
+        # TLS without the cluster's certificate: refused (plain: not TLS).
+        assert outcome["tls_no_cert"] != "answered", (addr, outcome)
+        if tls:
+            # A client without TLS is told why, at once (here: the stranger).
+            for kind in ("objects", "pool-x", "process-x"):
+                error = outcome[f"wrong_key_{kind}"]
+                assert (
+                    error.startswith("TLSConnectionError") and "requires TLS" in error
+                )
+            assert "FIBER-TLS" in outcome["wrong_key_stdlib"], outcome
+        else:
+            assert "does not use TLS" in outcome["tls_no_cert"], outcome
     # Not reachable at the side-network addresses of the same hosts.
     assert set(r["side"].values()) == {"ConnectionRefusedError"}, r["side"]
     # Nothing was unpickled.
