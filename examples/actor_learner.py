@@ -173,13 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for i in range(a.actors)
     ]
-    for p in actors:
-        p.start()
-    print(
-        f"{es.env_description(a.env)}; {a.engine}: {a.actors} actor Processes, "
-        f"started in {time.perf_counter() - t0:.2f} s",
-        flush=True,
-    )
+    started: list = []
 
     params = np.zeros(5)
     opt = es.Adam(params.size, a.lr)
@@ -194,6 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             send.send((version, params))
 
     try:
+        for p in actors:
+            p.start()
+            started.append(p)
+        print(
+            f"{es.env_description(a.env)}; {a.engine}: {a.actors} actor Processes, "
+            f"started in {time.perf_counter() - t0:.2f} s",
+            flush=True,
+        )
         broadcast()
         while updates < a.updates:
             try:
@@ -245,12 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pass
         # Keep the Queue drained until every actor is gone.
         deadline = time.monotonic() + 60
-        while any(p.is_alive() for p in actors) and time.monotonic() < deadline:
+        while any(p.is_alive() for p in started) and time.monotonic() < deadline:
             try:
                 episodes.get(timeout=0.1)
             except queue.Empty:
                 pass
-        for p in actors:
+        for p in started:
             p.join(5)
             if p.is_alive():
                 print(f"warning: {p.name} did not stop; terminating it", flush=True)
