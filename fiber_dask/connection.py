@@ -27,6 +27,7 @@ from .objserver import (
     resolve,
     wait_for_holder,
 )
+from .tls import message_view
 
 __all__ = ["Pipe", "Connection"]
 
@@ -225,21 +226,7 @@ class Connection:
         """Send a bytes-like object's bytes (from ``offset``, ``size`` of them)."""
         self._check_closed()
         self._check_writable()
-        m = memoryview(buf)
-        if m.itemsize > 1:
-            m = m.cast("B")
-        n = m.nbytes
-        if offset < 0:
-            raise ValueError("offset is negative")
-        if n < offset:
-            raise ValueError("buffer length < offset")
-        if size is None:
-            size = n - offset
-        elif size < 0:
-            raise ValueError("size is negative")
-        elif offset + size > n:
-            raise ValueError("buffer length < offset + size")
-        self._call("send", self._end, bytes(m[offset : offset + size]))
+        self._call("send", self._end, bytes(message_view(buf, offset, size)))
 
     def send(self, obj: Any) -> None:
         """Send a picklable object (pickled here, in the caller)."""

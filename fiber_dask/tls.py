@@ -108,6 +108,26 @@ def _frame(payload: bytes) -> bytes:
     return struct.pack("!i", len(payload)) + payload
 
 
+def message_view(buf: Any, offset: int = 0, size: int | None = None) -> memoryview:
+    """The bytes ``send_bytes(buf, offset, size)`` sends, with the stdlib
+    Connection's argument checks and messages."""
+    m = memoryview(buf)
+    if m.itemsize > 1:
+        m = m.cast("B")
+    n = m.nbytes
+    if offset < 0:
+        raise ValueError("offset is negative")
+    if n < offset:
+        raise ValueError("buffer length < offset")
+    if size is None:
+        size = n - offset
+    elif size < 0:
+        raise ValueError("size is negative")
+    elif offset + size > n:
+        raise ValueError("buffer length < offset + size")
+    return m[offset : offset + size]
+
+
 class TLSConnection:
     """``multiprocessing.connection.Connection``'s interface over TLS.
 
@@ -369,21 +389,8 @@ class TLSConnection:
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send the bytes of a bytes-like object as one message."""
         self._check_closed()
-        m = memoryview(buf)
-        if m.itemsize > 1:
-            m = m.cast("B")
-        n = m.nbytes
-        if offset < 0:
-            raise ValueError("offset is negative")
-        if n < offset:
-            raise ValueError("buffer length < offset")
-        if size is None:
-            size = n - offset
-        elif size < 0:
-            raise ValueError("size is negative")
-        elif offset + size > n:
-            raise ValueError("buffer length < offset + size")
-        m = m[offset : offset + size]
+        m = message_view(buf, offset, size)
+        size = m.nbytes
         if size > 0x7FFFFFFF:
             header = struct.pack("!iQ", -1, size)
         else:
