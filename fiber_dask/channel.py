@@ -56,6 +56,10 @@ _CHALLENGE = b"#FIBER-CHALLENGE#"
 _WELCOME = b"#FIBER-WELCOME#"
 _FAILURE = b"#FIBER-FAILURE#"
 _HANDSHAKE_TIMEOUT = 10.0
+# Handshakes in progress at once.  Beyond it the accept loop waits (connections
+# queue in the listen backlog) instead of starting a thread per connection, so a
+# flood of silent peers costs time, not memory: each gives up after the timeout.
+_MAX_HANDSHAKES = 512
 
 Handler = Callable[[Connection, Any], None]
 
@@ -148,6 +152,7 @@ class ChannelServer:
     def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
         self.authkey = bytes(authkey)
         self.context = context
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._services: dict[str, Handler] = {}
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -184,15 +189,34 @@ class ChannelServer:
                     return
                 continue
             # Handshakes run in their own thread so a slow or hostile peer
-            # cannot stall the accept loop.
+            # cannot stall the accept loop; at most _MAX_HANDSHAKES at once.
+            self._handshakes.acquire()
             threading.Thread(
-                target=self._handshake,
+                target=self._bounded_handshake,
                 args=(sock, peer),
                 name="fiber-channel-handshake",
                 daemon=True,
             ).start()
 
-    def _handshake(self, sock: socket.socket, peer: Any) -> None:
+    def _bounded_handshake(self, sock: socket.socket, peer: Any) -> None:
+        try:
+            accepted = self._handshake(sock, peer)
+        finally:
+            self._handshakes.release()  # not held for the connection's life
+        if accepted is None:
+            return
+        conn, handler, service, hello = accepted
+        try:
+            handler(conn, hello)
+        except Exception:  # a handler bug must not kill the server
+            logger.exception(
+                "fiber-dask: service %r failed on a new connection", service
+            )
+            conn.close()
+
+    def _handshake(self, sock: socket.socket, peer: Any) -> tuple | None:
+        """Authenticate a new connection and read its hello: the connection,
+        its service's handler, the service and the hello; None if refused."""
         try:
             _tune(sock)
             sock.setblocking(True)  # Connection reads the raw fd; polls bound waits
@@ -202,7 +226,7 @@ class ChannelServer:
                 conn = tls.TLSConnection.server(sock, self.context)
         except OSError:
             sock.close()
-            return
+            return None
         try:
             if self.context is not None:
                 conn.handshake(_HANDSHAKE_TIMEOUT)
@@ -217,7 +241,7 @@ class ChannelServer:
             if handler is None:
                 conn.send_bytes(b"NOSERVICE")
                 conn.close()
-                return
+                return None
             conn.send_bytes(b"OK")
         except (
             AuthenticationError,
@@ -228,14 +252,8 @@ class ChannelServer:
         ) as e:
             logger.warning("fiber-dask: rejected connection from %s: %r", peer, e)
             conn.close()
-            return
-        try:
-            handler(conn, hello)
-        except Exception:  # a handler bug must not kill the server
-            logger.exception(
-                "fiber-dask: service %r failed on a new connection", service
-            )
-            conn.close()
+            return None
+        return conn, handler, service, hello
 
     def close(self) -> None:
         self._closed = True

@@ -116,3 +116,39 @@ def test_silent_peer_does_not_block_other_connections(server):
         conn.close()
     finally:
         silent.close()
+
+
+def test_silent_peers_cannot_multiply_handshake_threads(monkeypatch):
+    """A flood of connections that never authenticate holds at most
+    _MAX_HANDSHAKES threads; a real peer still gets in once they time out, and
+    served connections do not count against the limit."""
+    monkeypatch.setattr(channel, "_MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(channel, "_HANDSHAKE_TIMEOUT", 0.5)
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    served: list = []
+    s.register("hold", lambda conn, hello: served.append(conn))  # kept open
+    silent = []
+    try:
+        for _ in range(3):  # more long-lived served connections than the limit
+            channel.connect(s.address, b"right-key", "hold")
+        for _ in range(6):
+            silent.append(socket.create_connection(s.address))
+        time.sleep(0.2)
+        handshaking = [
+            t for t in threading.enumerate() if t.name == "fiber-channel-handshake"
+        ]
+        assert len(handshaking) <= 2
+        t0 = time.monotonic()
+        conn = channel.connect(s.address, b"right-key", "hold", timeout=10)
+        assert time.monotonic() - t0 < 5  # the silent ones time out in turn
+        deadline = time.monotonic() + 5
+        while len(served) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs just after the peer's "OK"
+        assert len(served) == 4
+        conn.close()
+    finally:
+        for sock in silent:
+            sock.close()
+        for conn in served:
+            conn.close()
+        s.close()
