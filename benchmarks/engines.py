@@ -153,7 +153,41 @@ class FiberDaskEngine(PoolEngine):
             self.fiber_dask.shutdown()
 
 
-class DaskEngine(Engine):
+class LocalClusterMixin:
+    """``self.client`` on a ``distributed.LocalCluster`` of processes, whose
+    workers keep their files in a temporary directory (``self.distributed`` is
+    the imported module)."""
+
+    distributed: Any
+    client: Any = None
+    cluster: Any = None
+    tmpdir: str | None = None
+
+    def start_cluster(self, n_workers: int, threads: int, prefix: str) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix=prefix)
+        self.cluster = self.distributed.LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=threads,
+            processes=True,
+            dashboard_address=":0",
+            local_directory=self.tmpdir,
+        )
+        self.client = self.distributed.Client(self.cluster)
+
+    def close_cluster(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            self.client = self.cluster = None
+            if self.tmpdir:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                self.tmpdir = None
+
+
+class DaskEngine(LocalClusterMixin, Engine):
     """Plain Dask: a task per item, ``pure=False`` so identical calls stay distinct."""
 
     name = "dask"
@@ -169,15 +203,7 @@ class DaskEngine(Engine):
         self.client = self.cluster = self.tmpdir = None
 
     def setup(self) -> None:
-        self.tmpdir = tempfile.mkdtemp(prefix="overhead-dask-")
-        self.cluster = self.distributed.LocalCluster(
-            n_workers=self.workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            local_directory=self.tmpdir,
-        )
-        self.client = self.distributed.Client(self.cluster)
+        self.start_cluster(self.workers, 1, "overhead-dask-")
         self.client.submit(noop, pure=False).result()
 
     def run(self, mode: str, args: list[float]) -> list[Any]:
@@ -200,15 +226,7 @@ class DaskEngine(Engine):
         self.client.submit(noop, pure=False).result()
 
     def teardown(self) -> None:
-        try:
-            if self.client is not None:
-                self.client.close()
-            if self.cluster is not None:
-                self.cluster.close()
-        finally:
-            self.client = self.cluster = None
-            if self.tmpdir:
-                shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.close_cluster()
 
 
 class RayEngine(PoolEngine):

@@ -37,9 +37,7 @@ import argparse
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -60,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     rotated,
     timed,
 )
+from benchmarks.engines import LocalClusterMixin  # noqa: E402
 
 ENGINE_NAMES = ("fiber_dask", "dask")
 EFFICIENCY_TARGET = 0.80  # issue 6, at 256 slots
@@ -180,7 +179,7 @@ class FiberDaskEngine(Engine):
             self.fd.shutdown()
 
 
-class DaskEngine(Engine):
+class DaskEngine(LocalClusterMixin, Engine):
     """Plain Dask: a task per evaluation on a cluster of exactly ``slots`` threads."""
 
     name = "dask"
@@ -194,36 +193,18 @@ class DaskEngine(Engine):
             "LocalCluster per slot count (slots threads over up to "
             f"{self.args.processes} processes); client.map, one task per evaluation"
         )
-        self.client = self.cluster = self.tmpdir = None
 
     def open(self, slots: int) -> None:
         self.close()
         procs = min(self.args.processes, slots)
-        self.tmpdir = tempfile.mkdtemp(prefix="scaling-dask-")
-        self.cluster = self.distributed.LocalCluster(
-            n_workers=procs,
-            threads_per_worker=-(-slots // procs),
-            processes=True,
-            dashboard_address=":0",
-            local_directory=self.tmpdir,
-        )
-        self.client = self.distributed.Client(self.cluster)
+        self.start_cluster(procs, -(-slots // procs), "scaling-dask-")
         self.client.wait_for_workers(procs)
 
     def map(self, func: Any, items: list) -> list:
         return self.client.gather(self.client.map(func, items, pure=False))
 
     def close(self) -> None:
-        try:
-            if self.client is not None:
-                self.client.close()
-            if self.cluster is not None:
-                self.cluster.close()
-        finally:
-            self.client = self.cluster = None
-            if self.tmpdir:
-                shutil.rmtree(self.tmpdir, ignore_errors=True)
-                self.tmpdir = None
+        self.close_cluster()
 
 
 # --------------------------------------------------------------------------- harness
