@@ -7,22 +7,20 @@ and fiber-dask, Ray and IPyParallel all send ``benchmarks.common.busy`` as a nam
 the worker imports. The benchmark puts the repository root on ``sys.path`` and on
 ``PYTHONPATH`` so that every worker process started on this machine can import it.
 
-The harness below (memory probes, cleanup, report formatting, the command line's
-common options) serves every benchmark; ``engines.py`` adds the engines compared and
-their life cycle. Child processes import this module, so its
-top level imports only the standard library: no dask, no psutil.
+The harness below (memory probes, cleanup, the run and its teardown, the command
+line's common options) serves every benchmark; ``report.py`` formats the reports and
+``engines.py`` adds the engines compared and their life cycle. Child processes import
+this module, so its top level imports only the standard library (and ``report.py``,
+which does the same): no dask, no psutil.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import logging
-import math
 import os
-import platform
 import re
 import signal
 import statistics
@@ -31,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from benchmarks.report import Report
 
 #: Repository root (the parent of ``benchmarks/``).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,27 +76,6 @@ def median(values: Iterable[float]) -> float:
     """Median of ``values``, ``nan`` when there are none."""
     values = list(values)
     return statistics.median(values) if values else float("nan")
-
-
-def format_duration(seconds: float) -> str:
-    """``0.001`` -> ``"1 ms"``, ``1.0`` -> ``"1 s"``."""
-    if seconds >= 1:
-        return f"{seconds:g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:g} ms"
-    return f"{seconds * 1e6:g} us"
-
-
-def format_cell(
-    value: float, fmt: str, ratio_to: float | None = None, x: str = "x"
-) -> str:
-    """``value`` in ``fmt`` (``-`` if nan), plus `` (N x)`` = value / ``ratio_to``."""
-    if math.isnan(value):
-        return "-"
-    s = fmt.format(value)
-    if ratio_to is not None:
-        s += f" ({value / ratio_to:.2f}{x})"
-    return s
 
 
 # ---------------------------------------------------------------- memory probes
@@ -327,12 +306,12 @@ def prepare_main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
-class Harness:
-    """What both benchmarks keep about a run, its teardown and its output.
+class Harness(Report):
+    """A run of a benchmark: its measuring, its teardown, then its reports.
 
-    A subclass provides ``measured()`` (the names of the engines with results),
-    ``table()``, ``target_rows()``, ``meta_lines()``, ``json_report()`` and the
-    reports' titles. Engines have ``name``, ``version``, ``note`` and ``teardown()``.
+    On top of :class:`~benchmarks.report.Report` (what a subclass provides for the
+    reports): ``args`` (``verbose``, ``quiet``, ``markdown``, ``json``, ``timeout``)
+    and the engines' life cycle. Engines have ``teardown()``.
     """
 
     #: Seconds for one engine's teardown and for stopping the forkserver; ``None``
@@ -341,35 +320,14 @@ class Harness:
     forkserver_timeout: float | None = None
 
     def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
         self.args = args
-        self.engines: list[Any] = []  # all requested, in --engines order
+        self.active: list[Any] = []  # set up, being measured, not failed
         self.live: list[Any] = []  # started, teardown() not yet
-        self.failed: dict[str, str] = {}  # name -> error
-        self.repeats_done = 0
-        self.interrupted = False
-        self.load_before = os.getloadavg()
-        self.load_after: tuple[float, ...] | None = None
-        self.started = datetime.datetime.now().astimezone()
 
-    #: The reports' titles and notes.
-    text_title = markdown_title = ratio_note = cells_note = targets_title = ""
-
-    def measured(self) -> list[str]:
-        raise NotImplementedError
-
-    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
-        """Header and rows of the results; ``x`` is the multiplication sign."""
-        raise NotImplementedError
-
-    def target_rows(self, x: str = "x") -> list[list[str]]:
-        """``[what, measured, target, "ok" or "MISSED"]`` rows."""
-        return []
-
-    def meta_lines(self) -> list[str]:
-        raise NotImplementedError
-
-    def json_report(self) -> dict[str, Any]:
-        raise NotImplementedError
+    def failures(self) -> bool:
+        """Whether anything failed, so that the run exits with status 2."""
+        return bool(self.failed)
 
     # -- teardown
 
@@ -390,6 +348,7 @@ class Harness:
             log(f"note: teardown of {eng.name} failed: {type(e).__name__}: {e}")
 
     def teardown_all(self) -> None:
+        self.active = []
         if self.interrupted and not self.args.verbose:
             # Futures cut off mid-gather log "Task exception was never retrieved".
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -401,13 +360,25 @@ class Harness:
             log(f"warning: killed a leftover child process, {s}")
         self.load_after = os.getloadavg()
 
+    def fail(self, eng: Any, what: str, e: BaseException) -> None:
+        """Note that ``eng`` failed in ``what``, drop it from the run, tear it down."""
+        msg = f"{what}: {type(e).__name__}: {e}".rstrip(": ")
+        if isinstance(e, CaseTimeout):
+            msg = f"{what}: timed out after {self.args.timeout:g} s"
+        self.failed[eng.name] = msg
+        log(f"note: {eng.name} failed in {msg}; dropping it from the run")
+        if eng in self.active:
+            self.active.remove(eng)
+        self.teardown_one(eng)
+
     # -- the run
 
     def run(self, measure: Callable[[], int]) -> int:
-        """``measure()`` (its exit status), then teardown and every report.
+        """``measure()``, then teardown and every report; the exit status.
 
-        Ctrl-C (or SIGTERM) stops the measuring with status 130; what was measured
-        by then is still reported.
+        That is ``measure()``'s, or 2 if it was 0 but something failed. Ctrl-C (or
+        SIGTERM) stops the measuring with status 130; what was measured by then is
+        still reported.
         """
         args = self.args
         status = 0
@@ -431,85 +402,9 @@ class Harness:
                 json.dump(self.json_report(), f, indent=2)
                 f.write("\n")
             log(f"wrote {args.json}", args.quiet)
+        if status == 0 and self.failures():
+            status = 2
         return status
-
-    # -- reporting
-
-    def machine_line(self) -> str:
-        """When, where, on how many CPUs, which Python, the load before and after."""
-        la = " ".join(f"{v:.2f}" for v in self.load_before)
-        lb = " ".join(f"{v:.2f}" for v in self.load_after) if self.load_after else "?"
-        return (
-            f"{self.started:%Y-%m-%d %H:%M %Z}, {platform.node()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"load average {la} before, {lb} after"
-        )
-
-    def text_report(self) -> str:
-        """The plain-text report: the table, then the targets, if any."""
-        header, rows = self.table("x")
-        out = ["", self.text_title]
-        out += [f"  {line}" for line in self.meta_lines()]
-        out.append(f"  {self.ratio_note}")
-        out.append("")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for r in [header, *rows]:
-            out.append(
-                "  ".join(
-                    c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
-                ).rstrip()
-            )
-        targets = self.target_rows()
-        if targets:
-            out += ["", f"{self.targets_title}:"]
-            w = [max(len(r[i]) for r in targets) for i in range(4)]
-            for r in targets:
-                line = "  ".join(c.ljust(x) for c, x in zip(r, w, strict=True))
-                out.append(f"  {line}".rstrip())
-        return "\n".join(out) + "\n"
-
-    def markdown_report(self) -> str:
-        """The markdown report: the table, then the targets, if any."""
-        header, rows = self.table("×")
-        out = [f"## {self.markdown_title}", ""]
-        out += [f"- {line}" for line in self.meta_lines()]
-        out += [
-            f"- {self.cells_note}",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        ]
-        out += ["| " + " | ".join(r) + " |" for r in rows]
-        targets = self.target_rows("×")
-        if targets:
-            out += [
-                "",
-                f"### {self.targets_title}",
-                "",
-                "| | measured | target | |",
-                "|---|---:|---:|---|",
-            ]
-            out += ["| " + " | ".join(r) + " |" for r in targets]
-        return "\n".join(out) + "\n"
-
-    def machine_json(self) -> dict[str, Any]:
-        return {
-            "started": self.started.isoformat(),
-            "host": platform.node(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average_before": self.load_before,
-            "load_average_after": self.load_after,
-        }
-
-
-def engine_line(eng: Any) -> str:
-    """``name version: note``."""
-    s = f"{eng.name} {eng.version}"
-    if eng.note:
-        s += f": {eng.note}"
-    return s
 
 
 # --------------------------------------------------------------------------- CLI
@@ -541,9 +436,24 @@ def add_output_options(p: argparse.ArgumentParser, json_help: str) -> None:
     )
 
 
+def add_choice_list(
+    p: argparse.ArgumentParser, flag: str, choices: Sequence[str], more: str = ""
+) -> None:
+    """``flag``: some of ``choices``, comma-separated, all of them by default."""
+    p.add_argument(
+        flag,
+        type=csv_of(str),
+        default=list(choices),
+        help=f"comma-separated (default {','.join(choices)}){more}",
+    )
+
+
 def check_choices(
     p: argparse.ArgumentParser, values: list[str], choices: Sequence[str], what: str
-) -> None:
+) -> list[str]:
+    """Exit with a usage error if one of ``values`` is not one of ``choices``;
+    ``values`` without repeats."""
     for v in values:
         if v not in choices:
             p.error(f"unknown {what} {v!r}; choose from {', '.join(choices)}")
+    return list(dict.fromkeys(values))

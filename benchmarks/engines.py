@@ -15,6 +15,7 @@ imports only the standard library.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import platform
 import shutil
@@ -23,7 +24,16 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from benchmarks.common import CaseTimeout, Harness, busy, log, noop, timed
+from benchmarks.common import (
+    Harness,
+    busy,
+    idle_cpu_percent,
+    log,
+    noop,
+    rotated,
+    stop_forkserver,
+    timed,
+)
 
 ENGINE_NAMES = ("multiprocessing", "fiber_dask", "dask", "ray", "ipyparallel")
 BASELINE = "multiprocessing"
@@ -321,13 +331,15 @@ class EngineHarness(Harness):
     ``quiet``; a subclass may override :meth:`make` and :meth:`warm_up`.
     """
 
+    teardown_timeout = 60
+    forkserver_timeout = 10
+
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.engines: list[Engine] = []  # all requested, in --engines order
         self.prepared: list[Engine] = []  # imported fine
         self.active: list[Engine] = []  # set up, being measured, not failed
         self.live: list[Engine] = []  # setup() attempted, teardown() not yet
-        self.skipped: dict[str, str] = {}  # name -> why
         self.startup: dict[str, list[float]] = {}  # one per setup()
         self.idle_cpu: dict[str, float] = {}  # % of one core, whole process tree
 
@@ -372,21 +384,123 @@ class EngineHarness(Harness):
         log(f"  {eng.name} ready in {dt:.2f} s", a.quiet)
         return True
 
-    def fail(self, eng: Engine, what: str, e: BaseException) -> None:
-        msg = f"{what}: {type(e).__name__}: {e}".rstrip(": ")
-        if isinstance(e, CaseTimeout):
-            msg = f"{what}: timed out after {self.args.timeout:g} s"
-        self.failed[eng.name] = msg
-        log(f"note: {eng.name} failed in {msg}; dropping it from the run")
-        if eng in self.active:
-            self.active.remove(eng)
-        self.teardown_one(eng)
-
-    def teardown_all(self) -> None:
-        self.active = []
-        super().teardown_all()
+    def start_all(self) -> bool:
+        """Start every prepared engine; whether any of them is up."""
+        self.active = [eng for eng in self.prepared if self.start(eng)]
+        return bool(self.active)
 
     def measured(self) -> list[str]:
         """Engines with at least one measurement, in --engines order."""
         names = set(self.startup)
         return [e.name for e in self.engines if e.name in names]
+
+
+#: A step of a :class:`ComparisonHarness`'s repeat: a label for the progress line
+#: and what measures one engine (a short progress note, ``""`` if it failed).
+Step = tuple[Any, Callable[[Engine], str]]
+
+
+class ComparisonHarness(EngineHarness):
+    """Every engine through the same steps, repeat after repeat (overhead.py, es.py).
+
+    By default all engines stay up for the whole run and take turns at each step,
+    starting with a different engine each time, so that background noise hits
+    them alike; the idle engines' background CPU is measured once. With
+    ``--isolate`` one engine is alive at a time: each repeat starts, measures and
+    stops every engine in turn, and each one's idle CPU is measured alone.
+
+    ``args`` also needs ``isolate``, ``idle_seconds`` and ``repeats``; a subclass
+    provides :meth:`steps` and :meth:`log_step`.
+    """
+
+    def steps(self) -> list[Step]:
+        raise NotImplementedError
+
+    def log_step(self, r: int, label: Any, parts: list[str]) -> None:
+        """The progress line of step ``label`` in repeat ``r`` (0-based)."""
+        raise NotImplementedError
+
+    def measure(self) -> int:
+        """Import, start and measure the engines; 1 if none could be started."""
+        self.prepare_engines()
+        self.measure_engines()
+        if not self.measured():
+            log("error: no engine could be started")
+            return 1
+        return 0
+
+    def measure_engines(self) -> None:
+        if self.args.isolate:
+            self.measure_isolated()
+        else:
+            self.measure_shared()
+
+    def measure_shared(self) -> None:
+        """All engines up for the whole run; every step rotates through them."""
+        a = self.args
+        if not self.start_all():
+            return
+        self.idle_cpu["all engines"] = idle_cpu_percent(a.idle_seconds)
+        for r in range(a.repeats):
+            for k, (label, step) in enumerate(self.steps()):
+                parts = [step(eng) for eng in rotated(self.active, r + k)]
+                self.log_step(r, label, parts)
+            self.repeats_done = r + 1
+
+    def measure_isolated(self) -> None:
+        """One engine alive at a time; each repeat starts and stops every engine."""
+        a = self.args
+        for r in range(a.repeats):
+            for eng in rotated(self.prepared, r):
+                if eng.name in self.failed or not self.start(eng):
+                    continue
+                if eng.name not in self.idle_cpu:
+                    self.idle_cpu[eng.name] = idle_cpu_percent(a.idle_seconds)
+                self.active = [eng]
+                for label, step in self.steps():
+                    self.log_step(r, label, [step(eng)])
+                self.active = []
+                log(f"stopping {eng.name} ...", a.quiet)
+                self.teardown_one(eng)
+                # So that the next multiprocessing startup is cold.
+                stop_forkserver(self.forkserver_timeout)
+            self.repeats_done = r + 1
+
+    # -- reporting
+
+    def isolation_line(self) -> str:
+        if self.args.isolate:
+            return "one engine alive at a time (--isolate)"
+        return "all engines alive for the whole run; idle ones share the cores"
+
+    def idle_lines(self) -> list[str]:
+        """The background CPU of all engines while idle, if it was measured."""
+        idle = self.idle_cpu.get("all engines", float("nan"))
+        if math.isnan(idle):
+            return []
+        return [f"background CPU of all engines while idle: {idle:.0f}% of one core"]
+
+    def engine_note(self, eng: Engine) -> str:
+        idle = self.idle_cpu.get(eng.name, float("nan"))
+        return "" if math.isnan(idle) else f"; {idle:.0f}% of one core while idle"
+
+    def engine_json(self, eng: Engine) -> dict[str, Any]:
+        return {
+            "version": eng.version,
+            "note": eng.note,
+            "skipped": self.skipped.get(eng.name),
+            "failed": self.failed.get(eng.name),
+            "startup_s": self.startup.get(eng.name, []),
+            "idle_cpu_percent": self.idle_cpu.get(eng.name),
+        }
+
+
+def add_isolation_options(p: argparse.ArgumentParser, isolate_help: str) -> None:
+    """``--isolate`` and ``--idle-seconds`` of a :class:`ComparisonHarness`."""
+    p.add_argument("--isolate", action="store_true", help=isolate_help)
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=3.0,
+        help="seconds to measure the idle engines' background CPU (default 3; 0 skips)",
+    )

@@ -30,7 +30,6 @@ See ``benchmarks/README.md`` for the options and the noise caveats.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -44,26 +43,24 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
+    add_choice_list,
     add_output_options,
     add_start_method_option,
     check_choices,
-    csv_of,
-    engine_line,
-    format_cell,
-    idle_cpu_percent,
     log,
     median,
     prepare_main,
-    rotated,
-    stop_forkserver,
     timed,
 )
 from benchmarks.engines import (  # noqa: E402
     BASELINE,
     ENGINE_NAMES,
+    ComparisonHarness,
     Engine,
-    EngineHarness,
+    Step,
+    add_isolation_options,
 )
+from benchmarks.report import format_cell  # noqa: E402
 
 #: Issue 6: fiber_dask within 1.1x of multiprocessing, and ahead of these peers.
 RATIO_TARGET = 1.10
@@ -76,9 +73,7 @@ def es_module() -> Any:
     return examples.es
 
 
-class Benchmark(EngineHarness):
-    teardown_timeout = 60
-    forkserver_timeout = 10
+class Benchmark(ComparisonHarness):
     text_title = "Evolution strategies: seconds per iteration (lower is better)"
     markdown_title = "Evolution strategies: seconds per iteration"
     ratio_note = f"(N x) = ratio to {BASELINE} in the same run"
@@ -112,35 +107,15 @@ class Benchmark(EngineHarness):
             seed=a.seed,
         )
 
-    # -- phases
+    # -- steps
 
-    def measure_shared(self) -> None:
-        a = self.args
-        self.active = [eng for eng in self.prepared if self.start(eng)]
-        if not self.active:
-            return
-        self.idle_cpu["all engines"] = idle_cpu_percent(a.idle_seconds)
-        for r in range(a.repeats):
-            line = [self.run_once(eng) for eng in rotated(self.active, r)]
-            self.log_line(r, line)
-            self.repeats_done = r + 1
+    def steps(self) -> list[Step]:
+        return [(None, self.run_once)]
 
-    def measure_isolated(self) -> None:
-        a = self.args
-        for r in range(a.repeats):
-            line = []
-            for eng in rotated(self.prepared, r):
-                if eng.name in self.failed or not self.start(eng):
-                    continue
-                if eng.name not in self.idle_cpu:
-                    self.idle_cpu[eng.name] = idle_cpu_percent(a.idle_seconds)
-                self.active = [eng]
-                line.append(self.run_once(eng))
-                self.active = []
-                self.teardown_one(eng)
-                stop_forkserver(self.forkserver_timeout)
-            self.log_line(r, line)
-            self.repeats_done = r + 1
+    def measure_engines(self) -> None:
+        t0 = time.perf_counter()
+        super().measure_engines()
+        log(f"measured in {time.perf_counter() - t0:.0f} s", self.args.quiet)
 
     def run_once(self, eng: Engine) -> str:
         if eng not in self.active:
@@ -167,7 +142,7 @@ class Benchmark(EngineHarness):
         )
         return f"{eng.name} {dt / a.iterations:.3f} s/it"
 
-    def log_line(self, r: int, parts: list[str]) -> None:
+    def log_step(self, r: int, label: None, parts: list[str]) -> None:
         text = "  ".join(p for p in parts if p)
         log(f"[{r + 1}/{self.args.repeats}] {text}", self.args.quiet)
 
@@ -236,34 +211,14 @@ class Benchmark(EngineHarness):
             self.machine_line(),
             f"{a.workers} workers; {self.es.env_description(a.env)}; population "
             f"{a.population} + 10 evaluation episodes per iteration, "
-            f"{a.iterations} iterations from seed {a.seed}; median of "
-            f"{self.repeats_done} interleaved repeat(s)"
-            + (" (INTERRUPTED)" if self.interrupted else ""),
-            "one engine alive at a time (--isolate)"
-            if a.isolate
-            else "all engines alive for the whole run; idle ones share the cores",
+            f"{a.iterations} iterations from seed {a.seed}; " + self.repeats_note(),
+            self.isolation_line(),
         ]
         if self.reference is not None:
             lines.append(
                 "every engine reached the same final parameters (checked bit for bit)"
             )
-        idle = self.idle_cpu.get("all engines", float("nan"))
-        if not math.isnan(idle):
-            lines.append(
-                f"background CPU of all engines while idle: {idle:.0f}% of one core"
-            )
-        for eng in self.engines:
-            if eng.name in self.skipped:
-                lines.append(f"{eng.name}: skipped ({self.skipped[eng.name]})")
-                continue
-            s = engine_line(eng)
-            idle = self.idle_cpu.get(eng.name, float("nan"))
-            if not math.isnan(idle):
-                s += f"; {idle:.0f}% of one core while idle"
-            if eng.name in self.failed:
-                s += f"; FAILED in {self.failed[eng.name]}"
-            lines.append(s)
-        return lines
+        return lines + self.idle_lines() + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:
         a = self.args
@@ -278,19 +233,12 @@ class Benchmark(EngineHarness):
             "isolate": a.isolate,
             "interrupted": self.interrupted,
             "idle_cpu_percent_all_engines": self.idle_cpu.get("all engines"),
-            "engines": {
-                e.name: {
-                    "version": e.version,
-                    "note": e.note,
-                    "skipped": self.skipped.get(e.name),
-                    "failed": self.failed.get(e.name),
-                    "startup_s": self.startup.get(e.name, []),
-                    "idle_cpu_percent": self.idle_cpu.get(e.name),
+            "engines": self.engines_json(
+                lambda e: {
                     "seconds_per_iteration": self.per_iter.get(e.name, []),
                     "iteration_seconds": self.iter_times.get(e.name, []),
                 }
-                for e in self.engines
-            },
+            ),
         }
 
 
@@ -321,12 +269,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CartPole-v1 from gymnasium if installed (auto), or the built-in copy",
     )
     p.add_argument("--seed", type=int, default=0, help="ES seed (default 0)")
-    p.add_argument(
-        "--engines",
-        type=csv_of(str),
-        default=list(ENGINE_NAMES),
-        help=f"comma-separated (default {','.join(ENGINE_NAMES)}); "
-        "the unavailable ones are skipped with a note",
+    add_choice_list(
+        p, "--engines", ENGINE_NAMES, "; the unavailable ones are skipped with a note"
     )
     p.add_argument(
         "--quick",
@@ -341,17 +285,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds before one run counts as hung and its engine is dropped "
         "(default 600)",
     )
-    p.add_argument(
-        "--isolate",
-        action="store_true",
-        help="keep one engine alive at a time (each repeat starts and stops every "
-        "engine)",
-    )
-    p.add_argument(
-        "--idle-seconds",
-        type=float,
-        default=3.0,
-        help="seconds to measure the idle engines' background CPU (default 3; 0 skips)",
+    add_isolation_options(
+        p,
+        "keep one engine alive at a time (each repeat starts and stops every engine)",
     )
     add_output_options(p, "also write every raw timing as JSON")
     a = p.parse_args(argv)
@@ -359,10 +295,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.iterations = 8 if a.quick else 20
     if a.repeats is None:
         a.repeats = 2 if a.quick else 5
-    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")
     if a.workers < 1 or a.repeats < 1 or a.iterations < 1 or a.population < 2:
         p.error("--workers, --repeats, --iterations must be >= 1, --population >= 2")
-    a.engines = list(dict.fromkeys(a.engines))
     return a
 
 
@@ -370,24 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     prepare_main(args)
     bench = Benchmark(args)
-
-    def measure() -> int:
-        bench.prepare_engines()
-        t0 = time.perf_counter()
-        if args.isolate:
-            bench.measure_isolated()
-        else:
-            bench.measure_shared()
-        log(f"measured in {time.perf_counter() - t0:.0f} s", args.quiet)
-        if not bench.measured():
-            log("error: no engine could be started")
-            return 1
-        return 0
-
-    status = bench.run(measure)
-    if bench.failed and status == 0:
-        status = 2
-    return status
+    return bench.run(bench.measure)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,10 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402
     SampledPeak,
+    add_choice_list,
     add_output_options,
     add_start_method_option,
     check_choices,
-    csv_of,
-    engine_line,
-    format_cell,
     log,
     median,
     prepare_main,
@@ -55,6 +53,7 @@ from benchmarks.common import (  # noqa: E402
     timed,
 )
 from benchmarks.engines import EngineHarness  # noqa: E402
+from benchmarks.report import format_cell  # noqa: E402
 
 ENGINE_NAMES = ("multiprocessing", "fiber_dask")
 BASELINE = "multiprocessing"
@@ -67,8 +66,6 @@ BOUND_MB = 30.0
 
 
 class Benchmark(EngineHarness):
-    teardown_timeout = 60
-    forkserver_timeout = 10
     text_title = "Memory: client peak RSS increase (MB) during a large imap"
     markdown_title = "Memory: the client's peak RSS during a 1-million-item imap"
     ratio_note = f"(N x) = ratio to {BASELINE} in the same run"
@@ -93,8 +90,7 @@ class Benchmark(EngineHarness):
     def measure(self) -> int:
         a = self.args
         self.prepare_engines()
-        self.active = [eng for eng in self.prepared if self.start(eng)]
-        if not self.active:
+        if not self.start_all():
             log("error: no engine could be started")
             return 1
         for r in range(a.repeats):
@@ -214,9 +210,7 @@ class Benchmark(EngineHarness):
         a = self.args
         lines = [
             self.machine_line(),
-            f"{a.workers} workers; chunksize {a.chunksize}; median of "
-            f"{self.repeats_done} interleaved repeat(s)"
-            + (" (INTERRUPTED)" if self.interrupted else ""),
+            f"{a.workers} workers; chunksize {a.chunksize}; " + self.repeats_note(),
         ]
         rss = median(v for vs in self.base_rss.values() for v in vs)
         if rss == rss:
@@ -224,15 +218,7 @@ class Benchmark(EngineHarness):
                 f"the client is this one process for every engine (and fiber_dask's "
                 f"embedded scheduler): RSS before the calls ~{rss:.0f} MB"
             )
-        for eng in self.engines:
-            if eng.name in self.skipped:
-                lines.append(f"{eng.name}: skipped ({self.skipped[eng.name]})")
-                continue
-            s = engine_line(eng)
-            if eng.name in self.failed:
-                s += f"; FAILED in {self.failed[eng.name]}"
-            lines.append(s)
-        return lines
+        return lines + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:
         a = self.args
@@ -243,19 +229,15 @@ class Benchmark(EngineHarness):
             "workers": a.workers,
             "repeats_done": self.repeats_done,
             "interrupted": self.interrupted,
-            "engines": {
-                e.name: {
-                    "version": e.version,
-                    "note": e.note,
-                    "failed": self.failed.get(e.name),
+            "engines": self.engines_json(
+                lambda e: {
                     "client_rss_before_mb": self.base_rss.get(e.name, []),
                     "peak_increase_mb": {
                         c: self.peak.get((e.name, c), []) for c in a.cases
                     },
                     "imap_items_per_s": self.rate.get(e.name, []),
                 }
-                for e in self.engines
-            },
+            ),
         }
 
 
@@ -274,18 +256,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=None, help="repeats (default 3, --quick 1)"
     )
-    p.add_argument(
-        "--cases",
-        type=csv_of(str),
-        default=list(CASES),
-        help=f"comma-separated (default {','.join(CASES)})",
-    )
-    p.add_argument(
-        "--engines",
-        type=csv_of(str),
-        default=list(ENGINE_NAMES),
-        help=f"comma-separated (default {','.join(ENGINE_NAMES)})",
-    )
+    add_choice_list(p, "--cases", CASES)
+    add_choice_list(p, "--engines", ENGINE_NAMES)
     p.add_argument("--quick", action="store_true", help="200,000 items, 1 repeat")
     add_start_method_option(p)
     p.add_argument(
@@ -297,11 +269,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.items = 200_000 if a.quick else 1_000_000
     if a.repeats is None:
         a.repeats = 1 if a.quick else 3
-    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")
     check_choices(p, a.cases, CASES, "case")
     if a.items < 10 or a.chunksize < 1 or a.repeats < 1 or a.workers < 1:
         p.error("--items >= 10; --chunksize, --repeats, --workers >= 1")
-    a.engines = list(dict.fromkeys(a.engines))
     return a
 
 
@@ -312,8 +283,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     status = bench.run(bench.measure)
     log(f"done in {time.perf_counter() - t0:.0f} s", args.quiet)
-    if bench.failed and status == 0:
-        status = 2
     return status
 
 

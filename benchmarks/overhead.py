@@ -47,27 +47,25 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
+    add_choice_list,
     add_output_options,
     add_start_method_option,
     check_choices,
     csv_of,
-    engine_line,
-    format_cell,
-    format_duration,
-    idle_cpu_percent,
     log,
     median,
     prepare_main,
-    rotated,
-    stop_forkserver,
     timed,
 )
 from benchmarks.engines import (  # noqa: E402
     BASELINE,
     ENGINE_NAMES,
+    ComparisonHarness,
     Engine,
-    EngineHarness,
+    Step,
+    add_isolation_options,
 )
+from benchmarks.report import format_cell, format_duration  # noqa: E402
 
 MODES = ("map", "imap1", "apply_async")
 
@@ -88,9 +86,7 @@ LATENCY_TARGET_S = 2e-3
 # --------------------------------------------------------------------------- harness
 
 
-class Benchmark(EngineHarness):
-    teardown_timeout = 60
-    forkserver_timeout = 10
+class Benchmark(ComparisonHarness):
     text_title = "Framework overhead: elapsed / ideal (1.00 = no overhead)"
     markdown_title = "Framework overhead"
     ratio_note = f"(N x) = ratio to {BASELINE} in the same run"
@@ -114,47 +110,15 @@ class Benchmark(EngineHarness):
     def ideal(self, duration: float) -> float:
         return self.tasks(duration) * duration / self.args.workers
 
-    # -- phases
+    # -- steps
 
-    def measure_shared(self) -> None:
-        """All engines up for the whole run; every case rotates through them."""
-        a = self.args
-        self.active = [eng for eng in self.prepared if self.start(eng)]
-        if not self.active:
-            return
-        self.idle_cpu["all engines"] = idle_cpu_percent(a.idle_seconds)
-        for r in range(a.repeats):
-            for ci, case in enumerate(self.cases):
-                line = []
-                for eng in rotated(self.active, r + ci):
-                    line.append(self.run_case(eng, *case))
-                self.log_line(r, case, line)
-            line = [
-                self.run_latency(eng)
-                for eng in rotated(self.active, r + len(self.cases))
-            ]
-            self.log_line(r, None, line)
-            self.repeats_done = r + 1
-
-    def measure_isolated(self) -> None:
-        """One engine alive at a time; each repeat starts and stops every engine."""
-        a = self.args
-        for r in range(a.repeats):
-            for eng in rotated(self.prepared, r):
-                if eng.name in self.failed or not self.start(eng):
-                    continue
-                if eng.name not in self.idle_cpu:
-                    self.idle_cpu[eng.name] = idle_cpu_percent(a.idle_seconds)
-                self.active = [eng]
-                for case in self.cases:
-                    self.log_line(r, case, [self.run_case(eng, *case)])
-                self.log_line(r, None, [self.run_latency(eng)])
-                self.active = []
-                log(f"stopping {eng.name} ...", a.quiet)
-                self.teardown_one(eng)
-                # So that the next multiprocessing startup is cold.
-                stop_forkserver(self.forkserver_timeout)
-            self.repeats_done = r + 1
+    def steps(self) -> list[Step]:
+        """Every case, then the round trips."""
+        cases: list[Step] = [
+            (case, partial(self.run_case, duration=case[0], mode=case[1]))
+            for case in self.cases
+        ]
+        return [*cases, (None, self.run_latency)]
 
     def run_case(self, eng: Engine, duration: float, mode: str) -> str:
         if eng not in self.active:  # failed earlier in this case round
@@ -183,7 +147,7 @@ class Benchmark(EngineHarness):
         self.latency.setdefault(eng.name, []).append(lat)
         return f"{eng.name} {lat * 1e3:.2f} ms"
 
-    def log_line(
+    def log_step(
         self, r: int, case: tuple[float, str] | None, parts: list[str]
     ) -> None:
         if case is None:
@@ -207,7 +171,7 @@ class Benchmark(EngineHarness):
 
     # -- reporting
 
-    def rows(self, x: str) -> tuple[list[str], list[list[str]]]:
+    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
         """Header and rows of the results table; ``x`` is the multiplication sign."""
         names = self.measured()
         base = BASELINE if BASELINE in names else None
@@ -285,35 +249,14 @@ class Benchmark(EngineHarness):
 
     def meta_lines(self) -> list[str]:
         a = self.args
-        lines = [
+        return [
             self.machine_line(),
-            f"{a.workers} workers, ideal time {a.ideal:g} s per case, median of "
-            f"{self.repeats_done} interleaved repeat(s)"
-            + (" (INTERRUPTED)" if self.interrupted else ""),
-            "one engine alive at a time (--isolate)"
-            if a.isolate
-            else "all engines alive for the whole run; idle ones share the cores",
+            f"{a.workers} workers, ideal time {a.ideal:g} s per case, "
+            + self.repeats_note(),
+            self.isolation_line(),
+            *self.idle_lines(),
+            *self.engine_lines(),
         ]
-        idle = self.idle_cpu.get("all engines", float("nan"))
-        if not math.isnan(idle):
-            lines.append(
-                f"background CPU of all engines while idle: {idle:.0f}% of one core"
-            )
-        for eng in self.engines:
-            if eng.name in self.skipped:
-                lines.append(f"{eng.name}: skipped ({self.skipped[eng.name]})")
-                continue
-            s = engine_line(eng)
-            idle = self.idle_cpu.get(eng.name, float("nan"))
-            if not math.isnan(idle):
-                s += f"; {idle:.0f}% of one core while idle"
-            if eng.name in self.failed:
-                s += f"; FAILED in {self.failed[eng.name]}"
-            lines.append(s)
-        return lines
-
-    def table(self, x: str) -> tuple[list[str], list[list[str]]]:
-        return self.rows(x)
 
     def json_report(self) -> dict[str, Any]:
         a = self.args
@@ -325,18 +268,9 @@ class Benchmark(EngineHarness):
             "isolate": a.isolate,
             "idle_cpu_percent_all_engines": self.idle_cpu.get("all engines"),
             "interrupted": self.interrupted,
-            "engines": {
-                e.name: {
-                    "version": e.version,
-                    "note": e.note,
-                    "skipped": self.skipped.get(e.name),
-                    "failed": self.failed.get(e.name),
-                    "startup_s": self.startup.get(e.name, []),
-                    "idle_cpu_percent": self.idle_cpu.get(e.name),
-                    "apply_round_trip_s": self.latency.get(e.name, []),
-                }
-                for e in self.engines
-            },
+            "engines": self.engines_json(
+                lambda e: {"apply_round_trip_s": self.latency.get(e.name, [])}
+            ),
             "cases": [
                 {
                     "duration_s": d,
@@ -373,21 +307,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="task durations in seconds (default 1,0.1,0.01,0.001; --quick 0.01,0.001)",
     )
-    p.add_argument(
-        "--modes",
-        type=csv_of(str),
-        default=list(MODES),
-        help=f"comma-separated (default {','.join(MODES)})",
-    )
+    add_choice_list(p, "--modes", MODES)
     p.add_argument(
         "--repeats", type=int, default=None, help="repeats (default 3, --quick 2)"
     )
-    p.add_argument(
-        "--engines",
-        type=csv_of(str),
-        default=list(ENGINE_NAMES),
-        help=f"comma-separated (default {','.join(ENGINE_NAMES)}); "
-        "the unavailable ones are skipped with a note",
+    add_choice_list(
+        p, "--engines", ENGINE_NAMES, "; the unavailable ones are skipped with a note"
     )
     p.add_argument(
         "--quick",
@@ -409,17 +334,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds before one measured call counts as hung and its engine is "
         "dropped (default 300)",
     )
-    p.add_argument(
-        "--isolate",
-        action="store_true",
-        help="keep one engine alive at a time (each repeat starts and stops every "
+    add_isolation_options(
+        p,
+        "keep one engine alive at a time (each repeat starts and stops every "
         "engine) so that idle engines do not steal CPU from the one being measured",
-    )
-    p.add_argument(
-        "--idle-seconds",
-        type=float,
-        default=3.0,
-        help="seconds to measure the idle engines' background CPU (default 3; 0 skips)",
     )
     add_output_options(p, "also write every raw timing as JSON")
     a = p.parse_args(argv)
@@ -429,13 +347,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.repeats = 2 if a.quick else 3
     if a.durations is None:
         a.durations = [0.01, 0.001] if a.quick else [1.0, 0.1, 0.01, 0.001]
-    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")
     check_choices(p, a.modes, MODES, "mode")
     if a.workers < 1 or a.repeats < 1 or a.ideal <= 0 or a.latency_calls < 1:
         p.error("--workers, --repeats, --latency-calls must be >= 1 and --ideal > 0")
     if any(d <= 0 for d in a.durations):
         p.error("--durations must be > 0")
-    a.engines = list(dict.fromkeys(a.engines))
     return a
 
 
@@ -443,22 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     prepare_main(args)
     bench = Benchmark(args)
-
-    def measure() -> int:
-        bench.prepare_engines()
-        if args.isolate:
-            bench.measure_isolated()
-        else:
-            bench.measure_shared()
-        if not bench.measured():
-            log("error: no engine could be started")
-            return 1
-        return 0
-
-    status = bench.run(measure)
-    if bench.failed and status == 0:
-        status = 2
-    return status
+    return bench.run(bench.measure)
 
 
 if __name__ == "__main__":

@@ -62,17 +62,16 @@ from benchmarks.common import (  # noqa: E402
     Harness,
     PeakProbe,
     SampledPeak,
+    add_choice_list,
     add_output_options,
     add_start_method_option,
     check_choices,
-    csv_of,
-    engine_line,
-    format_cell,
     log,
     median,
     prepare_main,
     rotated,
 )
+from benchmarks.report import format_cell  # noqa: E402
 
 ENGINE_NAMES = ("multiprocessing", "fiber_dask")
 BASELINE = "multiprocessing"
@@ -355,8 +354,6 @@ class Benchmark(Harness):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.engines: list[Engine] = []
-        self.live: list[Engine] = []
         self.case_errors: list[str] = []
         self.values: dict[str, dict[str, list[float]]] = {}  # metric -> eng -> reps
         self.cold_start: dict[str, float] = {}
@@ -365,6 +362,9 @@ class Benchmark(Harness):
             [os.path.relpath(sys.argv[0]) if sys.argv else "benchmarks/queues.py"]
             + sys.argv[1:]
         )
+
+    def failures(self) -> bool:
+        return bool(self.failed or self.case_errors)
 
     def record(self, metric: str, eng: Engine, value: float) -> None:
         self.values.setdefault(metric, {}).setdefault(eng.name, []).append(value)
@@ -652,25 +652,23 @@ class Benchmark(Harness):
         lines = [
             f"command: `{self.command}`",
             self.machine_line(),
-            f"median of {self.repeats_done} interleaved repeat(s)"
-            + (" (INTERRUPTED)" if self.interrupted else "")
+            self.repeats_note()
             + f"; {a.items:,} ints, {a.pings:,} ping-pongs, {a.payloads} x "
             f"{a.payload_mb:g} MB payloads, one {a.big_mb:g} MB object, "
             f"{a.starts} starts per repeat",
         ]
-        for eng in self.engines:
-            s = engine_line(eng)
-            pl = self.placement.get(eng.name)
-            if pl:
-                s += (
-                    f"; producer and consumer on different Dask workers in "
-                    f"{sum(pl)} of {len(pl)} runs"
-                )
-            if eng.name in self.failed:
-                s += f"; FAILED in {self.failed[eng.name]}"
-            lines.append(s)
+        lines += self.engine_lines()
         lines += [f"error: {e}" for e in self.case_errors]
         return lines
+
+    def engine_note(self, eng: Engine) -> str:
+        pl = self.placement.get(eng.name)
+        if not pl:
+            return ""
+        return (
+            f"; producer and consumer on different Dask workers in "
+            f"{sum(pl)} of {len(pl)} runs"
+        )
 
     def table(self, x: str) -> tuple[list[str], list[list[str]]]:
         return self.rows(x, "->" if x == "x" else "→")
@@ -682,14 +680,7 @@ class Benchmark(Harness):
             "args": {k: v for k, v in vars(self.args).items()},
             "repeats_done": self.repeats_done,
             "interrupted": self.interrupted,
-            "engines": {
-                e.name: {
-                    "version": e.version,
-                    "note": e.note,
-                    "failed": self.failed.get(e.name),
-                }
-                for e in self.engines
-            },
+            "engines": self.engines_json(),
             "cold_start_s": self.cold_start,
             "values_per_repeat": self.values,
             "different_workers": self.placement,
@@ -751,18 +742,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="Processes started per start-latency run (default 10, --quick 5)",
     )
-    p.add_argument(
-        "--cases",
-        type=csv_of(str),
-        default=list(CASES),
-        help=f"comma-separated (default {','.join(CASES)})",
-    )
-    p.add_argument(
-        "--engines",
-        type=csv_of(str),
-        default=list(ENGINE_NAMES),
-        help=f"comma-separated (default {','.join(ENGINE_NAMES)})",
-    )
+    add_choice_list(p, "--cases", CASES)
+    add_choice_list(p, "--engines", ENGINE_NAMES)
     p.add_argument(
         "--quick",
         action="store_true",
@@ -783,8 +764,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a.pings = a.pings or (500 if q else 2000)
     a.payloads = a.payloads or (10 if q else 20)
     a.starts = a.starts or (5 if q else 10)
-    check_choices(p, a.engines, ENGINE_NAMES, "engine")
-    check_choices(p, a.cases, CASES, "case")
+    a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    a.cases = check_choices(p, a.cases, CASES, "case")
     if (
         min(a.repeats, a.items, a.pings, a.payloads, a.starts, a.workers) < 1
         or min(a.payload_mb, a.big_mb) <= 0
@@ -792,8 +773,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("counts must be >= 1 and sizes > 0")
     if a.items < 2:
         p.error("--items must be >= 2")
-    a.engines = list(dict.fromkeys(a.engines))
-    a.cases = list(dict.fromkeys(a.cases))
     return a
 
 
@@ -810,10 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.measure(active)
         return 0
 
-    status = bench.run(measure)
-    if (bench.failed or bench.case_errors) and status == 0:
-        status = 2
-    return status
+    return bench.run(measure)
 
 
 if __name__ == "__main__":

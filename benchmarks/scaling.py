@@ -34,7 +34,6 @@ standard library.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -48,10 +47,10 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402
     Harness,
+    add_choice_list,
     add_output_options,
     check_choices,
     csv_of,
-    engine_line,
     log,
     median,
     prepare_main,
@@ -229,7 +228,6 @@ class Benchmark(Harness):
             for n in args.engines
         ]
         self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
-        self.active: list[Engine] = []
 
     def ideal(self, slots: int) -> float:
         a = self.args
@@ -292,14 +290,6 @@ class Benchmark(Harness):
             a.quiet,
         )
 
-    def fail(self, eng: Engine, what: str, e: BaseException) -> None:
-        msg = f"{what}: {type(e).__name__}: {e}".rstrip(": ")
-        self.failed[eng.name] = msg
-        log(f"note: {eng.name} failed in {msg}; dropping it from the run")
-        if eng in self.active:
-            self.active.remove(eng)
-        self.teardown_one(eng)
-
     # -- reporting
 
     def measured(self) -> list[str]:
@@ -340,16 +330,9 @@ class Benchmark(Harness):
             self.machine_line(),
             f"population {a.population}, {a.params} parameters, evaluation = "
             f"{a.eval_seconds:g} s sleep; {a.iterations} timed iteration(s) per slot "
-            f"count and repeat after one untimed; median over "
-            f"{self.repeats_done} interleaved repeat(s)"
-            + (" (INTERRUPTED)" if self.interrupted else ""),
+            f"count and repeat after one untimed; " + self.repeats_note("over"),
         ]
-        for eng in self.engines:
-            s = engine_line(eng)
-            if eng.name in self.failed:
-                s += f"; FAILED in {self.failed[eng.name]}"
-            lines.append(s)
-        return lines
+        return lines + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:
         a = self.args
@@ -361,17 +344,13 @@ class Benchmark(Harness):
             "iterations": a.iterations,
             "repeats_done": self.repeats_done,
             "interrupted": self.interrupted,
-            "engines": {
-                e.name: {
-                    "version": e.version,
-                    "note": e.note,
-                    "failed": self.failed.get(e.name),
+            "engines": self.engines_json(
+                lambda e: {
                     "seconds_per_iteration": {
                         str(s): self.times.get((e.name, s), []) for s in a.slots
-                    },
+                    }
                 }
-                for e in self.engines
-            },
+            ),
             "ideal_s": {str(s): self.ideal(s) for s in a.slots},
         }
 
@@ -454,12 +433,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=4,
         help="worker processes the slots are spread over (default 4)",
     )
-    p.add_argument(
-        "--engines",
-        type=csv_of(str),
-        default=list(ENGINE_NAMES),
-        help=f"comma-separated (default {','.join(ENGINE_NAMES)})",
-    )
+    add_choice_list(p, "--engines", ENGINE_NAMES)
     p.add_argument("--quick", action="store_true", help="32 and 256 slots, 1 repeat")
     p.add_argument(
         "--timeout",
@@ -474,25 +448,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.slots = [32, 256] if a.quick else [8, 16, 32, 64, 128, 256]
     if a.repeats is None:
         a.repeats = 1 if a.quick else 2
-    check_choices(p, a.engines, ENGINE_NAMES, "engine")
+    a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")
     if min(a.slots) < 1 or a.population < 2 or a.iterations < 1 or a.repeats < 1:
         p.error("--slots, --iterations, --repeats must be >= 1, --population >= 2")
     a.threads = -(-max(a.slots) // a.processes)
-    a.engines = list(dict.fromkeys(a.engines))
     return a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     prepare_main(args)
-    if not args.verbose:
-        logging.getLogger("distributed").setLevel(logging.ERROR)
     bench = Benchmark(args)
     status = bench.run(bench.measure)
     if args.plot and bench.measured():
         bench.plot(args.plot)
-    if bench.failed and status == 0:
-        status = 2
     return status
 
 
