@@ -73,7 +73,9 @@ def counter_manager(ctx_name, **kwargs):
 
 def connector_class(ctx_name):
     """A manager class that only connects (the typeid without a callable)."""
-    base = std_managers.BaseManager if ctx_name == "stdlib" else fiber_managers.BaseManager
+    base = (
+        std_managers.BaseManager if ctx_name == "stdlib" else fiber_managers.BaseManager
+    )
     cls = type(f"Connect{ctx_name}", (base,), {})
     cls.register("Counter")
     return cls

@@ -146,9 +146,7 @@ def increment(counter, lock, key, n):
 
 def test_eight_processes_under_a_managed_lock_give_exact_totals(ctx, manager):
     value, lock, d = manager.Value("i", 0), manager.Lock(), manager.dict()
-    procs = [
-        ctx.Process(target=increment, args=(value, lock, d, 25)) for _ in range(8)
-    ]
+    procs = [ctx.Process(target=increment, args=(value, lock, d, 25)) for _ in range(8)]
     for p in procs:
         p.start()
     for p in procs:
