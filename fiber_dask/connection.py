@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-from multiprocessing import BufferTooShort
 from typing import Any
 
 import cloudpickle
@@ -27,7 +26,7 @@ from .objserver import (
     resolve,
     wait_for_holder,
 )
-from .tls import message_view
+from .tls import message_view, receive_into
 
 __all__ = ["Pipe", "Connection"]
 
@@ -255,19 +254,7 @@ class Connection:
         """
         self._check_closed()
         self._check_readable()
-        with memoryview(buf) as m:
-            itemsize = m.itemsize
-            bytesize = itemsize * len(m)
-            if offset < 0:
-                raise ValueError("negative offset")
-            if offset > bytesize:
-                raise ValueError("offset too large")
-            blob = self._recv()
-            size = len(blob)
-            if bytesize < offset + size:
-                raise BufferTooShort(blob)
-            m.cast("B")[offset : offset + size] = blob
-            return size
+        return receive_into(buf, offset, self._recv)
 
     def recv(self) -> Any:
         """Receive one object; ``EOFError`` when the other end is closed."""

@@ -128,6 +128,25 @@ def message_view(buf: Any, offset: int = 0, size: int | None = None) -> memoryvi
     return m[offset : offset + size]
 
 
+def receive_into(buf: Any, offset: int, receive: Any) -> int:
+    """``recv_bytes_into(buf, offset)`` with the stdlib Connection's checks
+    and messages; ``receive()`` reads the message.  Its size, or
+    ``BufferTooShort`` (holding the message) when it does not fit."""
+    with memoryview(buf) as m:
+        bytesize = m.itemsize * len(m)
+        if offset < 0:
+            raise ValueError("negative offset")
+        if offset > bytesize:
+            raise ValueError("offset too large")
+        data = receive()
+        size = len(data)
+        if bytesize < offset + size:
+            raise BufferTooShort(data)
+        with m.cast("B") as flat:
+            flat[offset : offset + size] = data
+        return size
+
+
 class TLSConnection:
     """``multiprocessing.connection.Connection``'s interface over TLS.
 
@@ -333,19 +352,7 @@ class TLSConnection:
         """Receive one message into ``buf`` at ``offset``; its size.  Raises
         ``BufferTooShort`` (holding the message) when it does not fit."""
         self._check_closed()
-        with memoryview(buf) as m:
-            bytesize = m.itemsize * len(m)
-            if offset < 0:
-                raise ValueError("negative offset")
-            if offset > bytesize:
-                raise ValueError("offset too large")
-            data = self.recv_bytes()
-            size = len(data)
-            if bytesize < offset + size:
-                raise BufferTooShort(data)
-            with m.cast("B") as flat:
-                flat[offset : offset + size] = data
-            return size
+        return receive_into(buf, offset, self.recv_bytes)
 
     def recv(self) -> Any:
         """Receive a pickled object."""
