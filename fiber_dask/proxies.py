@@ -170,6 +170,8 @@ class _Listener(connection.Listener):
 
 
 class _XmlClientWrap(connection.ConnectionWrapper):
+    """A connection speaking xmlrpc (the stdlib's XmlClient/XmlListener wrap)."""
+
     def __init__(self, conn: Any) -> None:
         import xmlrpc.client as xmlrpclib
 
@@ -178,11 +180,7 @@ class _XmlClientWrap(connection.ConnectionWrapper):
 
 class _XmlListener(_Listener):
     def accept(self) -> Any:
-        import xmlrpc.client as xmlrpclib
-
-        return connection.ConnectionWrapper(
-            super().accept(), xmlrpclib.dumps, connection._xml_loads
-        )
+        return _XmlClientWrap(super().accept())
 
 
 managers.listener_client["fiber-pickle"] = (
@@ -208,7 +206,7 @@ class BaseProxy(managers.BaseProxy):
         kwds = {"authkey": bytes(self._authkey)}
         if getattr(self, "_isauto", False):
             kwds["exposed"] = self._exposed_
-            func = AsyncAutoProxy if isinstance(self, AsyncBaseProxy) else AutoProxy
+            func = self._auto_proxy
         else:
             func = type(self)
         return (_rebuild, (func, self._token, self._serializer, kwds))
@@ -261,9 +259,7 @@ class BaseProxy(managers.BaseProxy):
             else:
                 # Unpickled elsewhere: no registry here (the stdlib fails with
                 # an AttributeError); an auto proxy with the exposed methods.
-                proxytype = (
-                    AsyncAutoProxy if isinstance(self, AsyncBaseProxy) else AutoProxy
-                )
+                proxytype = self._auto_proxy
             proxy = proxytype(
                 token,
                 self._serializer,
@@ -529,3 +525,8 @@ AsyncAutoProxy = _auto_proxy_function(
     "AsyncAutoProxy",
     "An async proxy for a token exposing the referent's methods.",
 )
+
+# The auto-proxy function of each kind of proxy (for pickling an auto proxy,
+# and for a proxy returned by a method of one unpickled elsewhere).
+BaseProxy._auto_proxy = staticmethod(AutoProxy)
+AsyncBaseProxy._auto_proxy = staticmethod(AsyncAutoProxy)
