@@ -104,7 +104,7 @@ class Server(_std.Server):
         try:
             super().serve_client(conn)
         finally:
-            session = {"id": threading.get_ident()}
+            session = {"id": _conn_id()}
             for state in list(_leased):
                 state.disconnected(session)
 
@@ -224,25 +224,11 @@ def _server_init(
 
 def _manager_host() -> str:
     """The interface the server listens on: where this process's other
-    endpoints listen (the one that reaches the scheduler)."""
-    from . import cluster
+    endpoints listen (the one that reaches the scheduler; the cluster is
+    resolved for it if nothing else decides)."""
     from .objserver import listen_host
 
-    if cluster._handle is None and not _inside_cluster():
-        cluster.get_handle()  # resolve the cluster: it decides the interface
-    return listen_host()
-
-
-def _inside_cluster() -> bool:
-    if os.environ.get("FIBER_DASK_LISTEN_HOST"):
-        return True
-    try:
-        from distributed import get_worker
-
-        get_worker()
-        return True
-    except (ImportError, ValueError):
-        return False
+    return listen_host(resolve_cluster=True)
 
 
 def _cluster_settings(tls_settings: Any = None) -> dict:

@@ -219,13 +219,15 @@ def get_object_server() -> ObjectServer:
         return _object_server
 
 
-def listen_host() -> str:
-    """Where this process's endpoints listen, without starting a cluster.
+def listen_host(resolve_cluster: bool = False) -> str:
+    """Where this process's endpoints listen, without starting a cluster
+    unless ``resolve_cluster`` says so.
 
     ``fiber.listen-host``; else the host a launcher gave this child process;
     else the host fiber-dask's cluster handle uses; inside a Dask worker, the
-    worker's own host; else the local address that routes to a configured
-    scheduler; else 127.0.0.1.
+    worker's own host; else, with ``resolve_cluster``, the host of the cluster
+    the configuration names (binding to it); else the local address that
+    routes to a configured scheduler; else 127.0.0.1.
     """
     from . import cluster, config
 
@@ -241,6 +243,8 @@ def listen_host() -> str:
         return get_address_host(get_worker().address)
     except (ImportError, ValueError):
         pass
+    if resolve_cluster:
+        return cluster.get_handle().listen_host or "127.0.0.1"
     from .backends.address import configured_address
     from .backends.base import route_host
 
