@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from functools import cache
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dask.config
@@ -290,23 +290,38 @@ def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str,
     current = _canonicalize(current, schema()["properties"]["fiber"])
     problems = _collect_problems(current, [os.fspath(p) for p in extra_paths])
     if problems:
-        n = len(problems)
-        header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
-        body = "\n\n".join(str(p) for p in problems)
         footer = f"Every key and its meaning: {SCHEMA_PATH}"
-        raise ConfigError(f"{header}\n\n{body}\n\n{footer}", problems)
+        raise ConfigError(f"{_describe_problems(problems)}\n\n{footer}", problems)
 
     snapshot = copy.deepcopy(current)
     _last_valid = (frozen, snapshot)
     return copy.deepcopy(snapshot)
 
 
+def _describe_problems(problems: Sequence[Problem]) -> str:
+    """The message of a :class:`ConfigError`: a count, then every problem."""
+    n = len(problems)
+    header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
+    body = "\n\n".join(str(p) for p in problems)
+    return f"{header}\n\n{body}"
+
+
+def _problem(
+    parts: list[str],
+    value: Any,
+    reason: str,
+    allowed: str,
+    extra_paths: Sequence[str] = (),
+) -> Problem:
+    """A :class:`Problem` for the key ``parts``, naming where ``value`` came from."""
+    source = _find_source(parts, value, extra_paths)
+    return Problem(".".join(parts), value, reason, allowed, source)
+
+
 def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
     from jsonschema.exceptions import relevance
 
-    def problem(parts: list[str], value: Any, reason: str, allowed: str) -> Problem:
-        source = _find_source(parts, value, extra_paths)
-        return Problem(".".join(parts), value, reason, allowed, source)
+    problem = partial(_problem, extra_paths=extra_paths)
 
     if current is None:
         # Only possible if someone refreshed Dask's config without our defaults.

@@ -432,13 +432,8 @@ def _prune(obj: Any) -> Any:
 
 
 def _problem(key: str, value: Any, reason: str, allowed: str) -> Problem:
-    parts = ["fiber", *key.split(".")]
-    source = config._find_source(parts, value, [])
-    return Problem(".".join(parts), value, reason, allowed, source)
+    return config._problem(["fiber", *key.split(".")], value, reason, allowed)
 
 
 def _error(problems: list[Problem]) -> ConfigError:
-    n = len(problems)
-    header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
-    body = "\n\n".join(str(p) for p in problems)
-    return ConfigError(f"{header}\n\n{body}", problems)
+    return ConfigError(config._describe_problems(problems), problems)

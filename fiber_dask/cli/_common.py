@@ -154,21 +154,15 @@ def apply_config(
 
 def describe_config_error(error: Any, flags: Mapping[str, str] | None = None) -> str:
     """The message of a ``ConfigError``, naming command-line options as sources."""
+    from .. import config
+
     problems = list(getattr(error, "problems", ()))
     if not problems:
         return str(error)
     flags = flags or {}
-    lines = [f"Invalid fiber-dask configuration ({_count(len(problems), 'problem')}):"]
-    for p in problems:
-        source = flags.get(p.key, p.source)
-        lines += [
-            "",
-            f"{p.key} = {p.value!r}",
-            f"    {p.reason}",
-            f"    allowed: {p.allowed}",
-            f"    from: {source}",
-        ]
-    return "\n".join(lines)
+    return config._describe_problems(
+        [p._replace(source=flags.get(p.key, p.source)) for p in problems]
+    )
 
 
 def load_yaml_mapping(path: str) -> Mapping[str, Any]:
@@ -190,7 +184,3 @@ def load_yaml_mapping(path: str) -> Mapping[str, Any]:
             f"'fiber:'), not a {type(data).__name__}"
         )
     return data
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'s' * (n != 1)}"
