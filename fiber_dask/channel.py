@@ -264,6 +264,34 @@ class ChannelServer:
         self._sock.close()
 
 
+def dial(
+    host: str,
+    port: int,
+    timeout: float,
+    where: str,
+    unreachable: Callable[[OSError], Exception],
+) -> Any:
+    """A tuned client connection to ``host:port``, ready for an authkey
+    handshake: TLS when this process's cluster uses it (the server's hello
+    read and the TLS handshake done; ``where`` names the server in errors,
+    see :func:`fiber_dask.tls.connect`), else a plain ``Connection``.  A
+    failed TCP connect raises ``unreachable(e)`` from ``e``."""
+    context = tls.client_context()
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise unreachable(e) from e
+    try:
+        _tune(sock)
+        if context is None:
+            sock.settimeout(None)
+            return Connection(sock.detach())
+    except OSError:
+        sock.close()
+        raise
+    return tls.connect(sock, context, timeout, where)
+
+
 def connect(
     address: tuple[str, int],
     authkey: bytes,
@@ -283,21 +311,17 @@ def connect(
     host, port = address
     if timeout is None:
         timeout = peer_timeout()
-    context = tls.client_context()
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as e:
-        raise ChannelError(
+    conn = dial(
+        host,
+        port,
+        timeout,
+        f"{host}:{port}",
+        lambda e: ChannelError(
             f"cannot reach the fiber-dask channel at {host}:{port}: {e}. "
             "The process that owns this object must be reachable from this host; "
             "set fiber.listen-host to an address the workers can connect to."
-        ) from e
-    _tune(sock)
-    if context is None:
-        sock.settimeout(None)
-        conn: Any = Connection(sock.detach())
-    else:
-        conn = tls.connect(sock, context, timeout, f"{host}:{port}")
+        ),
+    )
     try:
         _answer_challenge(conn, authkey, timeout)
         _deliver_challenge(conn, authkey, timeout)

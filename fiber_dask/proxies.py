@@ -41,7 +41,7 @@ from multiprocessing import connection, managers
 from typing import Any
 
 from . import tls
-from .channel import _HANDSHAKE_TIMEOUT, _tune
+from .channel import _HANDSHAKE_TIMEOUT, _tune, dial
 from .errors import ManagerConnectionError, TLSConnectionError
 
 __all__ = [
@@ -81,28 +81,17 @@ def _socket_client(connection_class: Any):
         if not isinstance(address, tuple):  # a Unix socket path: stdlib as is
             return connection.Client(address, family, authkey)
         host, port = address[:2]
-        context = tls.client_context()
-        timeout = _connect_timeout()
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
-            raise ManagerConnectionError(
+        conn = dial(
+            host,
+            port,
+            _connect_timeout(),
+            f"the manager at {host}:{port}",
+            lambda e: ManagerConnectionError(
                 f"cannot reach the manager at {host}:{port} ({e}). Its process has "
                 "exited or its host is unreachable; a manager lives as long as the "
                 "process that started it (or until shutdown())"
-            ) from e
-        try:
-            _tune(sock)
-            if context is None:
-                sock.settimeout(None)
-                conn = connection.Connection(sock.detach())
-            else:
-                conn = tls.connect(
-                    sock, context, timeout, f"the manager at {host}:{port}"
-                )
-        except OSError:
-            sock.close()
-            raise
+            ),
+        )
         if authkey is not None:
             try:
                 connection.answer_challenge(conn, authkey)
