@@ -176,10 +176,7 @@ class Connection:
         return self._writable
 
     def _call(self, op: str, *args: Any) -> Any:
-        target = self._target
-        if isinstance(target, Remote):
-            return target.call(op, *args)
-        return getattr(target, op)(*args)
+        return self._target.call(op, *args)
 
     def _recv(self) -> bytes:
         target = self._target

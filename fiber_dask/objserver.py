@@ -110,6 +110,12 @@ class ServedObject:
     def serve(self, op: str, args: tuple, session: dict) -> Any:
         raise NotImplementedError
 
+    def call(self, op: str, *args: Any) -> Any:
+        """``op(*args)`` on this object, in its owner: the same call a
+        holder's :meth:`Remote.call` makes over the channel, so a handle calls
+        its target alike wherever it is."""
+        return getattr(self, op)(*args)
+
     def serve_raw(self, raw: bytes, session: dict) -> None:
         """A one-way message that is not a pickle (its first byte says what)."""
         raise ValueError(f"unexpected raw message {raw[:1]!r}")

@@ -324,12 +324,9 @@ class Queue:
         return f"<{type(self).__module__}.{type(self).__qualname__} object at {id(self):#x}>"
 
     def _call(self, op: str, *args: Any) -> Any:
-        target = self._target
-        if isinstance(target, Remote):
-            if self._feeder is not None:
-                self._feeder.flush()  # this process's puts come first
-            return target.call(op, *args)
-        return getattr(target, op)(*args)
+        if self._feeder is not None:  # only a remote holder has one
+            self._feeder.flush()  # this process's puts come first
+        return self._target.call(op, *args)
 
     def _check_closed(self) -> None:
         if self._closed:

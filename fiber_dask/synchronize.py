@@ -18,7 +18,6 @@ import uuid
 from typing import Any
 
 from .objserver import (
-    Remote,
     ServedObject,
     get_object_server,
     keep_until_unused,
@@ -208,10 +207,7 @@ class _Served:
         return (_rebuild, (type(self), self._ref, self._extra_state()))
 
     def _call(self, op: str, *args: Any) -> Any:
-        target = self._target
-        if isinstance(target, Remote):
-            return target.call(op, *args)
-        return getattr(target, op)(*args)
+        return self._target.call(op, *args)
 
 
 def _rebuild(cls: type, ref: tuple, extra: dict) -> Any:
