@@ -6,7 +6,7 @@ import dask
 
 from .. import config
 from ..errors import ClusterConnectionError
-from .base import Backend, ClusterHandle
+from .base import Backend, ClusterHandle, connect, route_host
 
 __all__ = ["AddressBackend", "configured_address"]
 
@@ -28,8 +28,6 @@ class AddressBackend(Backend):
     name = "address"
 
     def start(self, *, address: str | None = None) -> ClusterHandle:
-        from distributed import Client
-
         source = "address= argument"
         if address is None:
             address, source = configured_address()
@@ -39,19 +37,15 @@ class AddressBackend(Backend):
                 "set fiber.address (DASK_FIBER__ADDRESS) or scheduler-address "
                 "(DASK_SCHEDULER_ADDRESS), or pass address=."
             )
-        timeout = config.timedelta("connect-timeout")
-        try:
-            client = Client(address, timeout=timeout, set_as_default=False)
-        except (OSError, TimeoutError) as e:
-            raise ClusterConnectionError(
+        client = connect(
+            address,
+            lambda timeout, e: (
                 f"cannot reach the Dask scheduler at {address} (from {source}) "
                 f"within fiber.connect-timeout={timeout:g}s: {e}. Check that the "
                 "scheduler runs and the address is right, or unset it to use the "
                 "embedded local cluster."
-            ) from e
-        client._fiber_created = True
-        from .base import route_host
-
+            ),
+        )
         host = config.get("listen-host") or route_host(client.scheduler.address)
         return ClusterHandle(
             client, None, owned=False, backend=self.name, listen_host=host

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-__all__ = ["Backend", "ClusterHandle", "route_host"]
+__all__ = ["Backend", "ClusterHandle", "connect", "route_host"]
 
 
 @dataclass
@@ -51,6 +51,27 @@ class Backend:
     def start(self, *, address: str | None = None) -> ClusterHandle:
         """Start or attach to a cluster and return a connected handle."""
         raise NotImplementedError
+
+
+def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
+    """A ``distributed.Client`` of ``target`` (an address or a cluster), made by us.
+
+    Waits at most ``fiber.connect-timeout``; a connection that fails raises
+    ``ClusterConnectionError(failure(timeout, error))``.  The client is marked as
+    fiber-dask's own, so that :meth:`ClusterHandle.close` closes it.
+    """
+    from distributed import Client
+
+    from .. import config
+    from ..errors import ClusterConnectionError
+
+    timeout = config.timedelta("connect-timeout")
+    try:
+        client = Client(target, set_as_default=False, timeout=timeout)
+    except (OSError, TimeoutError) as e:
+        raise ClusterConnectionError(failure(timeout, e)) from e
+    client._fiber_created = True
+    return client
 
 
 def route_host(address: str) -> str:

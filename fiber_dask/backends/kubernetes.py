@@ -31,7 +31,7 @@ from typing import Any
 
 from .. import config
 from ..errors import ClusterConnectionError
-from .base import Backend, ClusterHandle, route_host
+from .base import Backend, ClusterHandle, connect, route_host
 from .kubemanifest import plan, require_dask_kubernetes
 
 __all__ = ["KubernetesBackend", "OWNER_ANNOTATION"]
@@ -188,19 +188,14 @@ class _Grower:
 
 
 def _client(cluster: Any) -> Any:
-    from distributed import Client
-
-    timeout = config.timedelta("connect-timeout")
-    try:
-        client = Client(cluster, set_as_default=False, timeout=timeout)
-    except (OSError, TimeoutError) as e:
-        raise ClusterConnectionError(
+    return connect(
+        cluster,
+        lambda timeout, e: (
             f"cannot connect to the scheduler of the DaskCluster {cluster.name!r} at "
             f"{cluster.scheduler_address} within fiber.connect-timeout={timeout:g}s: "
             f"{e}"
-        ) from e
-    client._fiber_created = True
-    return client
+        ),
+    )
 
 
 def _listen_host(client: Any) -> str:
