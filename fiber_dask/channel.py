@@ -45,7 +45,6 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from . import tls
-from .errors import TLSConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +93,7 @@ def _answer_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
     message = _recv_small(conn, timeout)
     if not message.startswith(_CHALLENGE):
         if tls.is_hello(message):
-            raise TLSConnectionError(
-                "the fiber-dask endpoint requires TLS (its Dask cluster uses TLS) "
-                "but this process has no TLS for its direct connections "
-                f"({tls.mode_source()}): give it the cluster's TLS settings "
-                "(distributed.comm.tls.*, require-encryption)"
-            )
+            raise tls.required_error("the fiber-dask endpoint")
         raise AuthenticationError("peer did not speak the fiber-dask handshake")
     conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
     if _recv_small(conn, timeout) != _WELCOME:

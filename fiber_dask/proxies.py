@@ -42,7 +42,7 @@ from typing import Any
 
 from . import tls
 from .channel import _HANDSHAKE_TIMEOUT, _tune, dial
-from .errors import ManagerConnectionError, TLSConnectionError
+from .errors import ManagerConnectionError
 
 __all__ = [
     "AsyncAutoProxy",
@@ -99,12 +99,7 @@ def _socket_client(connection_class: Any):
             except BaseException as e:
                 conn.close()
                 if "FIBER-TLS" in str(e):  # the stdlib's error quotes the hello
-                    raise TLSConnectionError(
-                        f"the manager at {host}:{port} requires TLS (its Dask cluster "
-                        "uses TLS) but this process has no TLS for its direct "
-                        f"connections ({tls.mode_source()}): give it the cluster's "
-                        "TLS settings (distributed.comm.tls.*, require-encryption)"
-                    ) from None
+                    raise tls.required_error(f"the manager at {host}:{port}") from None
                 err = tls.handshake_error(e, f"the manager at {host}:{port}")
                 if err is e:
                     raise

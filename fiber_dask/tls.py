@@ -523,6 +523,16 @@ def connect(
         raise
 
 
+def required_error(where: str) -> TLSConnectionError:
+    """The error of a client without TLS that got a TLS endpoint's
+    :data:`HELLO`; ``where`` names the endpoint."""
+    return TLSConnectionError(
+        f"{where} requires TLS (its Dask cluster uses TLS) but this process has "
+        f"no TLS for its direct connections ({mode_source()}): give it the "
+        "cluster's TLS settings (distributed.comm.tls.*, require-encryption)"
+    )
+
+
 def handshake_error(e: BaseException, where: str) -> BaseException:
     """A clearer error for an ``ssl.SSLError`` raised after the handshake (TLS
     1.3 clients hear that their certificate was refused only then)."""
