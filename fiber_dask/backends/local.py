@@ -23,10 +23,12 @@ class LocalBackend(Backend):
         from distributed import Client, LocalCluster
 
         n_workers = config.get("local.n-workers") or os.cpu_count() or 1
+        threads = config.get("local.threads-per-worker")
         adaptive = config.get("adaptive.enabled")
+        maximum = config.get("adaptive.maximum") or n_workers
         cluster = LocalCluster(
             n_workers=0 if adaptive else n_workers,
-            threads_per_worker=config.get("local.threads-per-worker"),
+            threads_per_worker=threads,
             processes=True,
             memory_limit=config.get("local.memory-limit"),
             dashboard_address=config.get("local.dashboard-address"),
@@ -37,7 +39,7 @@ class LocalBackend(Backend):
             if adaptive:
                 cluster.adapt(
                     minimum=config.get("adaptive.minimum"),
-                    maximum=config.get("adaptive.maximum") or n_workers,
+                    maximum=maximum,
                     target_duration=config.get("adaptive.target-duration"),
                     interval=config.get("adaptive.interval"),
                     wait_count=config.get("adaptive.wait-count"),
@@ -53,7 +55,5 @@ class LocalBackend(Backend):
         if adaptive:
             # Pool() sizes itself for what adaptive scaling may start, not for the
             # minimum that is running when it is created.
-            handle.planned_slots = (
-                config.get("adaptive.maximum") or n_workers
-            ) * config.get("local.threads-per-worker")
+            handle.planned_slots = maximum * threads
         return handle
