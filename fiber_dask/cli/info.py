@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from ._common import CONTEXT_SETTINGS, CLIError, cluster_options, config_option
+from ._common import (
+    CONTEXT_SETTINGS,
+    CLIError,
+    apply_config,
+    cluster_options,
+    config_option,
+)
 
 
 @click.command("info", context_settings=CONTEXT_SETTINGS)
@@ -28,8 +34,6 @@ def info(
     (the embedded one, a new Kubernetes cluster) is closed again afterwards; one it
     attaches to keeps running.
     """
-    from ._common import apply_config
-
     loaded = apply_config(config_files, backend=backend, address=address)
 
     import fiber_dask

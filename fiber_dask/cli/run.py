@@ -25,7 +25,13 @@ from typing import Any
 
 import click
 
-from ._common import CONTEXT_SETTINGS, CLIError, cluster_options, config_option
+from ._common import (
+    CONTEXT_SETTINGS,
+    CLIError,
+    apply_config,
+    cluster_options,
+    config_option,
+)
 
 
 @click.command(
@@ -67,11 +73,10 @@ def run(
       fiber-dask run --config adapters/kubernetes.yaml train.py
       fiber-dask run --address tcp://10.0.0.5:8786 --swap-multiprocessing legacy.py
     """
-    from ._common import apply_config
-
     loaded = apply_config(config_files, backend=backend, address=address)
+    run_config = loaded.fiber.get("run", {})
     if swap_mp is None:
-        swap_mp = bool(loaded.fiber.get("run", {}).get("swap-multiprocessing"))
+        swap_mp = bool(run_config.get("swap-multiprocessing"))
     path = os.path.abspath(script)
     code = _compile(path)
     module = _main_module(path)
@@ -83,7 +88,7 @@ def run(
         sys.path[0] = os.path.dirname(os.path.realpath(path))
 
     if swap_mp:
-        _start_swap(module, path, loaded.fiber.get("run", {}).get("swap-modules", []))
+        _start_swap(module, path, run_config.get("swap-modules", []))
     else:
         sys.modules["__main__"] = module
     _execute(code, module)
