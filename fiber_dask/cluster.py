@@ -103,10 +103,7 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
         with _lock:
             h = _attached.get(address)
             if h is None:
-                config.validate()
-                h = _attached[address] = load_backend("address")().start(
-                    address=address
-                )
+                h = _attached[address] = _resolve(None, address, None)
             return h
     with _lock:
         if _handle is None:
