@@ -117,30 +117,81 @@ def greedy_score(params: np.ndarray, env_kind: str, episodes: int) -> float:
     return total / episodes
 
 
+DESCRIPTION = """\
+Actors and a learner, IMPALA-style, on the multiprocessing API: actor Processes
+play CartPole-v1 and put their episodes on one Queue; the learner makes a
+policy-gradient step (REINFORCE, Adam) every --batch episodes played with its
+current weights and sends the new weights to every actor through its Pipe.
+Ends with a line starting "final:" (exit status 0 when the greedy policy's mean
+reward reaches --target)."""
+
+EPILOG = """\
+examples:
+  python examples/actor_learner.py
+  python examples/actor_learner.py --engine multiprocessing --actors 2"""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--engine", choices=["fiber_dask", "multiprocessing"], default="fiber_dask"
+        "--engine",
+        choices=["fiber_dask", "multiprocessing"],
+        default="fiber_dask",
+        help="whose Process, Queue and Pipe to use (default: %(default)s)",
     )
-    p.add_argument("--actors", type=int, default=3, help="actor Processes")
-    p.add_argument("--batch", type=int, default=16, help="episodes per update")
-    p.add_argument("--updates", type=int, default=100, help="at most")
-    p.add_argument("--lr", type=float, default=0.2, help="Adam step size")
+    p.add_argument(
+        "--actors", type=int, default=3, help="actor Processes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="episodes per update (default: %(default)s)",
+    )
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=100,
+        help="updates at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=0.2, help="Adam step size (default: %(default)s)"
+    )
     p.add_argument(
         "--target",
         type=float,
         default=es.SOLVED,
         help="stop once a batch's mean reward reaches this; also the bar for the "
-        "final greedy score",
+        "final greedy score (default: %(default)s)",
     )
-    p.add_argument("--final-episodes", type=int, default=20)
-    p.add_argument("--env", choices=["auto", "gymnasium", "builtin"], default="auto")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for an episode"
+        "--final-episodes",
+        type=int,
+        default=20,
+        help="episodes of the final greedy policy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--env",
+        choices=["auto", "gymnasium", "builtin"],
+        default="auto",
+        help="CartPole-v1 from gymnasium, or the numpy-only copy in es.py; auto: "
+        "gymnasium when installed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the actors' episodes and actions (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for an episode (default: %(default)s)",
     )
     a = p.parse_args(argv)
     if a.actors < 1 or a.batch < 1 or a.updates < 1:

@@ -1,12 +1,16 @@
-"""Evolution strategies on CartPole-v1, every evaluation through ``Pool.map``.
+"""Evolution strategies on CartPole-v1: an MLP policy, every evaluation through Pool.map.
 
-The workload Fiber was built for, OpenAI-style (Salimans et al. 2017): every
-iteration a population of perturbed policies ``theta + sigma * eps`` and their
-mirror images ``theta - sigma * eps`` (antithetic sampling) play an episode
+The workload Fiber was built for, OpenAI-style (Salimans et al. 2017): the
+policy is a small neural network (by default 4 observations -> 16 tanh units
+-> 2 action logits, 114 parameters; ``--hidden 32,32`` for two layers of 32),
+its hidden layers initialised as OpenAI-ES did (normalised columns).
+Every iteration a population of perturbed policies ``theta + sigma * eps`` and
+their mirror images ``theta - sigma * eps`` (mirrored sampling) play an episode
 each, in parallel through one ``Pool.map``; the rewards are replaced by their
-centred ranks, and ``theta`` moves along the rank-weighted sum of the
-perturbations with Adam (or plain SGD).  Only seeds travel: a worker rebuilds
-``eps`` from its noise seed (Salimans et al.'s workers index a shared noise table).
+centred ranks (fitness shaping), and ``theta`` moves along the rank-weighted
+sum of the perturbations with Adam (or SGD with momentum) and weight decay.
+Only seeds travel: a worker rebuilds ``eps`` from its noise seed (Salimans et
+al.'s workers index a shared noise table).
 
 The environment is Gymnasium's ``CartPole-v1`` when ``gymnasium`` is installed
 (``pip install -e ".[examples]"``), else :class:`CartPole` below, the same
@@ -20,12 +24,15 @@ The one line that puts it on a Dask cluster is the import in :func:`engine`;
 
     python examples/es.py                          # embedded local Dask cluster
     python examples/es.py --engine multiprocessing # the stdlib, for comparison
-    python examples/es.py --population 32 --iterations 20 --workers 2
+    python examples/es.py --hidden 32,32 --population 512
     fiber-dask run --config adapters/kubernetes.yaml examples/es.py
 
-The last line printed is ``solved: ...`` or ``not solved: ...`` with the final
-policy's mean reward over ``--final-episodes`` episodes; the exit status is 0
-when solved.  ``benchmarks/es.py`` times this loop on several engines.
+It prints a line per iteration, saves the reward per iteration as a PNG
+(``es_rewards.png`` in the current directory; ``--plot PATH``, ``--no-plot``;
+needs matplotlib, else it says so and skips the plot), and ends with
+``solved: ...`` or ``not solved: ...``, the final policy's mean reward over
+``--final-episodes`` episodes; the exit status is 0 when solved.
+``benchmarks/es.py`` times this loop on several engines.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import numpy as np
 
 SOLVED = 475.0  # CartPole-v1's reward threshold (mean over 100 episodes)
 MAX_STEPS = 500  # CartPole-v1's time limit, so the best possible episode reward
+SIGMA, LR, L2 = 0.1, 0.1, 0.005  # the search's defaults (train() and the CLI)
+PLOT = "es_rewards.png"  # where the CLI saves its plot by default
 
 
 # --------------------------------------------------------------- environment
@@ -132,30 +141,67 @@ def env_description(kind: str) -> str:
 
 # -------------------------------------------------------------------- policy
 
-
-def n_params(hidden: int) -> int:
-    """A linear policy (``hidden=0``: 4 weights and a bias) or a tanh MLP."""
-    return 5 if hidden == 0 else hidden * 4 + hidden + hidden + 1
+OBS, ACTIONS = 4, 2  # CartPole's observation size and number of actions
+HIDDEN = (16,)  # the default policy: 4 -> 16 tanh -> 2
 
 
-def act(params: np.ndarray, hidden: int, obs: np.ndarray) -> int:
-    """Push right (1) when the policy's single output is positive."""
-    if hidden == 0:
-        out = float(params[:4] @ obs) + params[4]
-    else:
-        w1 = params[: 4 * hidden].reshape(hidden, 4)
-        b1 = params[4 * hidden : 5 * hidden]
-        w2 = params[5 * hidden : 6 * hidden]
-        out = float(w2 @ np.tanh(w1 @ obs + b1)) + params[6 * hidden]
-    return 1 if out > 0 else 0
+def layer_sizes(hidden: Sequence[int] | int) -> tuple[int, ...]:
+    """``(4, *hidden, 2)``; ``hidden`` empty (or 0) is a linear policy."""
+    if isinstance(hidden, int):
+        hidden = (hidden,) if hidden else ()
+    return (OBS, *hidden, ACTIONS)
 
 
-def episode(env: Any, params: np.ndarray, hidden: int, seed: int) -> float:
+def n_params(hidden: Sequence[int] | int = HIDDEN) -> int:
+    """Weights and biases of every layer, flattened into one vector."""
+    sizes = layer_sizes(hidden)
+    return sum(
+        (n_in + 1) * n_out for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True)
+    )
+
+
+def unflatten(params: np.ndarray, hidden: Sequence[int] | int) -> list:
+    """``params`` as ``[(W, b), ...]``, views into the flat vector, one per layer."""
+    layers, at = [], 0
+    sizes = layer_sizes(hidden)
+    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
+        w = params[at : at + n_in * n_out].reshape(n_out, n_in)
+        at += n_in * n_out
+        layers.append((w, params[at : at + n_out]))
+        at += n_out
+    return layers
+
+
+def initial_params(hidden: Sequence[int] | int, seed: int) -> np.ndarray:
+    """OpenAI-ES's start for the hidden layers (each unit's incoming weights a
+    random direction of norm 1: normalised columns), zero biases, and a zero
+    output layer: the first policy knows nothing (it always pushes left and
+    scores about 9), where a random output layer can balance by luck."""
+    rng = np.random.default_rng([seed, 1])
+    params = np.zeros(n_params(hidden))
+    for w, _ in unflatten(params, hidden)[:-1]:
+        x = rng.standard_normal(w.shape)
+        w[...] = x / np.sqrt(np.square(x).sum(axis=1, keepdims=True))
+    return params
+
+
+def act(layers: list, obs: np.ndarray) -> int:
+    """The action with the larger logit: tanh hidden layers, a linear output."""
+    x = np.asarray(obs, dtype=float)
+    for w, b in layers[:-1]:
+        x = np.tanh(w @ x + b)
+    w, b = layers[-1]
+    logits = w @ x + b
+    return int(logits[1] > logits[0])
+
+
+def episode(env: Any, params: np.ndarray, hidden: Sequence[int], seed: int) -> float:
     """The total reward of one episode."""
+    layers = unflatten(params, hidden)
     obs, _ = env.reset(seed=seed)
     total = 0.0
     while True:
-        obs, reward, terminated, truncated, _ = env.step(act(params, hidden, obs))
+        obs, reward, terminated, truncated, _ = env.step(act(layers, obs))
         total += reward
         if terminated or truncated:
             return total
@@ -225,11 +271,11 @@ def train(
     *,
     population: int = 256,
     iterations: int = 60,
-    sigma: float = 0.1,
-    lr: float = 0.1,
+    sigma: float = SIGMA,
+    lr: float = LR,
     optimizer: str = "adam",
-    l2: float = 0.005,
-    hidden: int = 0,
+    l2: float = L2,
+    hidden: Sequence[int] | int = HIDDEN,
     episodes: int = 1,
     eval_episodes: int = 10,
     env: str = "auto",
@@ -243,13 +289,15 @@ def train(
     mirrored pairs) and ``eval_episodes`` episodes of the current policy, all in
     one ``map_fn`` call.  Stops early when that policy's mean reward reaches
     ``target`` (None: never).  ``report(stats)`` is called after every iteration.
+    ``hidden`` gives the policy's hidden layer sizes (``()`` or 0: linear).
     """
     if env == "auto":
         env = env_kinds()[0]
+    hidden = layer_sizes(hidden)[1:-1]
     pairs = max(1, population // 2)
     rng = np.random.default_rng(seed)
     size = n_params(hidden)
-    theta = np.zeros(size)
+    theta = initial_params(hidden, seed)
     opt = (Adam if optimizer == "adam" else SGD)(size, lr)
     history: list[dict] = []
     for it in range(iterations):
@@ -290,11 +338,16 @@ def train(
 
 
 def final_score(
-    map_fn: Callable, theta: np.ndarray, hidden: int, env: str, episodes: int
+    map_fn: Callable,
+    theta: np.ndarray,
+    hidden: Sequence[int] | int,
+    env: str,
+    episodes: int,
 ) -> float:
     """Mean reward of ``theta`` over ``episodes`` fresh episodes (in parallel)."""
     if env == "auto":
         env = env_kinds()[0]
+    hidden = layer_sizes(hidden)[1:-1]
     tasks = [(theta, 0, 0, 0.0, 1_000_000 + i, 1, hidden, env) for i in range(episodes)]
     return float(np.mean(list(map_fn(evaluate, tasks))))
 
@@ -348,42 +401,162 @@ class Progress:
             self.bar.close()
 
 
+DESCRIPTION = """\
+Evolution strategies (OpenAI-ES: mirrored sampling, centred ranks, Adam) train
+an MLP policy for CartPole-v1, evaluating every perturbed policy through
+Pool.map on fiber-dask's cluster (or on the standard library with --engine
+multiprocessing). Prints a line per iteration, saves a plot of the reward per
+iteration, and ends with "solved: ..." or "not solved: ..." (exit status 0 when
+solved, i.e. a mean reward of at least 475 over --final-episodes episodes)."""
+
+EPILOG = """\
+examples:
+  python examples/es.py                            embedded local Dask cluster
+  python examples/es.py --engine multiprocessing   the stdlib, for comparison
+  python examples/es.py --hidden 32,32 --population 512 --plot run2.png
+  fiber-dask run --config adapters/kubernetes.yaml examples/es.py"""
+
+
+def hidden_sizes(text: str) -> tuple[int, ...]:
+    """``--hidden``: "16", "32,32", or "0" (a linear policy)."""
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of layer sizes, e.g. 16 or 32,32"
+        ) from None
+    if any(s < 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"layer sizes must be >= 0, not {text!r}")
+    return tuple(s for s in sizes if s)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--engine", choices=["fiber_dask", "multiprocessing"], default="fiber_dask"
+        "--engine",
+        choices=["fiber_dask", "multiprocessing"],
+        default="fiber_dask",
+        help="whose Pool evaluates the population (default: %(default)s)",
     )
     p.add_argument(
-        "--workers", type=int, default=None, help="Pool(processes=); default: all"
-    )
-    p.add_argument("--population", type=int, default=256, help="evaluations/iter")
-    p.add_argument("--iterations", type=int, default=60, help="at most")
-    p.add_argument("--sigma", type=float, default=0.1, help="noise scale")
-    p.add_argument("--lr", type=float, default=0.1, help="learning rate")
-    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    p.add_argument("--l2", type=float, default=0.005, help="weight decay")
-    p.add_argument(
-        "--hidden", type=int, default=0, help="hidden units (0: linear policy)"
-    )
-    p.add_argument("--episodes", type=int, default=1, help="per perturbation")
-    p.add_argument(
-        "--eval-episodes", type=int, default=10, help="of the policy, per iteration"
+        "--workers",
+        type=int,
+        default=None,
+        help="Pool(processes=N) (default: every task slot of the cluster, or "
+        "os.cpu_count() for multiprocessing)",
     )
     p.add_argument(
-        "--final-episodes", type=int, default=100, help="of the final policy"
+        "--population",
+        type=int,
+        default=256,
+        help="perturbed policies evaluated per iteration, in mirrored pairs "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=60,
+        help="iterations at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=hidden_sizes,
+        default=HIDDEN,
+        metavar="SIZES",
+        help="hidden layer sizes of the tanh MLP policy, comma-separated; 0 for a "
+        "linear policy (default: " + ",".join(map(str, HIDDEN)) + ")",
+    )
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=SIGMA,
+        help="standard deviation of the parameter noise (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=LR,
+        help="learning rate of the optimizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="Adam, or SGD with momentum 0.9 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--l2",
+        type=float,
+        default=L2,
+        help="weight decay coefficient (default: %(default)s)",
+    )
+    p.add_argument(
+        "--episodes",
+        type=int,
+        default=1,
+        help="episodes per perturbed policy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--eval-episodes",
+        type=int,
+        default=10,
+        help="episodes of the current policy per iteration, for the progress "
+        "line and --target (default: %(default)s)",
+    )
+    p.add_argument(
+        "--final-episodes",
+        type=int,
+        default=100,
+        help="episodes of the final policy that decide solved or not "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--target",
         type=float,
         default=MAX_STEPS,
-        help="stop once the policy's mean reward over its --eval-episodes reaches this",
+        help="stop once the policy's mean reward over its --eval-episodes reaches "
+        "this (default: %(default)s, the most an episode can score)",
     )
-    p.add_argument("--env", choices=["auto", "gymnasium", "builtin"], default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto")
+    p.add_argument(
+        "--env",
+        choices=["auto", "gymnasium", "builtin"],
+        default="auto",
+        help="CartPole-v1 from gymnasium, or the numpy-only copy in this file; "
+        "auto: gymnasium when installed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial policy, the noise and the episodes "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--progress",
+        choices=["auto", "bar", "lines"],
+        default="auto",
+        help="a tqdm bar as well as the lines (auto: when stderr is a terminal "
+        "and tqdm is installed) (default: %(default)s)",
+    )
+    plot = p.add_mutually_exclusive_group()
+    plot.add_argument(
+        "--plot",
+        default=PLOT,
+        metavar="PATH",
+        help="where to save the PNG of the reward per iteration (default: "
+        "%(default)s in the current directory)",
+    )
+    plot.add_argument(
+        "--no-plot",
+        dest="plot",
+        action="store_const",
+        const=None,
+        help="do not save the plot (default: save it)",
+    )
     a = p.parse_args(argv)
     if a.population < 2 or a.iterations < 1 or a.final_episodes < 1:
         p.error("--population must be >= 2, --iterations and --final-episodes >= 1")
@@ -392,16 +565,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def save_plot(history: list[dict], path: str, title: str) -> str | None:
+    """Save the reward per iteration as a PNG; the reason when it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    its = [s["iteration"] for s in history]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(its, [s["reward"] for s in history], "o-", label="policy (mean)")
+    ax.plot(its, [s["population_mean"] for s in history], label="population mean")
+    ax.plot(its, [s["population_max"] for s in history], ":", label="population max")
+    ax.axhline(SOLVED, color="grey", lw=0.8, ls="--", label=f"solved ({SOLVED:g})")
+    ax.set(xlabel="iteration", ylabel="episode reward", ylim=(0, MAX_STEPS * 1.05))
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     mp = engine(a.engine)
     t0 = time.perf_counter()
+    sizes = "-".join(map(str, layer_sizes(a.hidden)))
     with mp.Pool(a.workers) as pool:
         print(
             f"{env_description(a.env)}; {a.engine} Pool of "
             f"{getattr(pool, '_processes', a.workers or os.cpu_count())} ready in "
             f"{time.perf_counter() - t0:.2f} s; population {a.population}, "
-            f"{n_params(a.hidden)} parameters",
+            f"policy {sizes} ({n_params(a.hidden)} parameters)",
             flush=True,
         )
         progress = Progress(a.iterations, a.progress)
@@ -427,6 +626,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         score = final_score(pool.map, out["theta"], a.hidden, a.env, a.final_episodes)
     solved = score >= SOLVED
     history = out["history"]
+    if a.plot is not None:
+        why = save_plot(
+            history,
+            a.plot,
+            f"OpenAI-ES, CartPole-v1, policy {sizes}, population {a.population}; "
+            f"final {score:.1f}",
+        )
+        if why is None:
+            print(f"plot: {os.path.abspath(a.plot)}", flush=True)
+        else:
+            print(f"plot skipped: {why}", flush=True)
     print(
         f"{'solved' if solved else 'not solved'}: mean reward {score:.1f} over "
         f"{a.final_episodes} episodes (first iteration {history[0]['reward']:.1f}) "
