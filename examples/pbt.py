@@ -5,8 +5,8 @@ each with its own hyperparameters, and every so often lets the bad ones take
 over the good ones: *exploit* (copy the weights, optimizer state and
 hyperparameters of a better member) and *explore* (perturb the copied
 hyperparameters).  The population thus searches hyperparameters and trains in
-one run, and finds schedules (here: the learning rate falls as the fit gets
-finer) that no fixed setting has.
+one run, and can find schedules (hyperparameters that change as training goes
+on) where a search over fixed settings finds one setting.
 
 The task: fit a small MLP (1 -> 32 -> 32 -> 1, tanh) to a noisy wave,
 ``y = sin(3 pi x) (1 - x/2) + noise``, with minibatch SGD and momentum.  The
@@ -35,12 +35,17 @@ The cluster pieces, as a researcher would use them:
   prints a table row per round, and can save them all (``--events-json``).
 
 Run ``python examples/pbt.py`` (the embedded local Dask cluster): the default,
-8 members x 20 rounds x 200 steps, runs in about 20 s on 2 cores.  It saves a
+8 members x 20 rounds x 200 steps, takes about 27 s of CPU in all (9 s of it
+training, the rest the cluster's and the 8 Processes' start), so well under a
+minute on 2 cores.  It saves a
 plot (``pbt.png``: loss over time per member, the lineage of copies, and the
 hyperparameter schedules PBT found; ``--plot PATH``, ``--no-plot``; needs
 matplotlib).  ``--no-exploit`` trains the same population with the same
 initial hyperparameters and seeds but never copies: the random search PBT is
-compared with.  The last line starts with ``best:``.
+compared with.  The last line starts with ``best:``.  The run is deterministic
+for a given ``--seed``; with the defaults the best final validation loss is
+0.0028 with PBT, every member ends below 0.008, and with ``--no-exploit`` the
+best is 0.0070 while half of the members end above 0.03 or diverge.
 """
 
 from __future__ import annotations
@@ -472,7 +477,7 @@ population, saves a plot, and ends with a line starting "best:"."""
 
 EPILOG = """\
 examples:
-  python examples/pbt.py                          8 members, about 20 s on 2 cores
+  python examples/pbt.py                          8 members, well under a minute
   python examples/pbt.py --no-exploit             the same start, never copying
   python examples/pbt.py --population 32 --rounds 40 --plot big.png"""
 

@@ -95,6 +95,7 @@ ITERATION = re.compile(
 )
 
 
+@pytest.mark.slow  # the README's full run: about 10 s on 2 idle cores
 @pytest.mark.timeout(300)
 def test_es_solves_cartpole_on_the_embedded_cluster(tmp_path):
     """The README's quick start, with a fixed seed (the default, 0)."""
