@@ -308,6 +308,43 @@ def lineage(events: list[dict], who: int, rounds: int) -> list[tuple[int, int]]:
     return chain
 
 
+def collect(procs: list, events: Any, args: argparse.Namespace, t0: float) -> list:
+    """Take every member's event of every round off the Queue, printing a table
+    row per round; fail as soon as a member has failed."""
+    table = None
+    log: list[dict] = []
+    expected = args.population * (args.rounds + 1)
+    waited = 0.0
+    while len(log) < expected:
+        try:
+            event = events.get(timeout=1.0)
+        except queue.Empty:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(
+                    f"{failed[0].name} failed (exit code {failed[0].exitcode}); "
+                    "its traceback is above"
+                ) from None
+            waited += 1.0
+            if waited >= args.timeout:
+                raise RuntimeError(
+                    f"no report from any member for {args.timeout:g} s"
+                ) from None
+            continue
+        waited = 0.0
+        event["received"] = time.time()
+        log.append(event)
+        if table is None:  # round 0 reports once every member is up
+            print(
+                f"{args.population} member Processes up and lined up after "
+                f"{time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+            table = Table(args.population)
+        table.add(event, args.steps)
+    return log
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """Train the population; return every event in the order it arrived."""
     hs = initial_hyperparameters(args.population, args.lr_range, args.seed)
@@ -331,44 +368,24 @@ def run(args: argparse.Namespace) -> list[dict]:
             )
             for i in range(args.population)
         ]
-        for p in procs:
-            p.start()
-        table = None
-        log: list[dict] = []
-        expected = args.population * (args.rounds + 1)
-        waited = 0.0
-        while len(log) < expected:
-            try:
-                event = events.get(timeout=1.0)
-            except queue.Empty:
-                failed = [p for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(
-                        f"{failed[0].name} failed (exit code {failed[0].exitcode}); "
-                        "its traceback is above"
-                    ) from None
-                waited += 1.0
-                if waited >= args.timeout:
-                    raise RuntimeError(
-                        f"no report from any member for {args.timeout:g} s"
-                    ) from None
-                continue
-            waited = 0.0
-            event["received"] = time.time()
-            log.append(event)
-            if table is None:  # round 0 reports once every member is up
-                print(
-                    f"{args.population} member Processes up and lined up after "
-                    f"{time.perf_counter() - t0:.1f} s",
-                    flush=True,
-                )
-                table = Table(args.population)
-            table.add(event, args.steps)
-        for p in procs:
-            p.join(60)
-            if p.exitcode != 0:
-                raise RuntimeError(f"{p.name} ended with exit code {p.exitcode}")
-        events.close()
+        started: list = []
+        try:
+            for p in procs:
+                p.start()
+                started.append(p)
+            log = collect(procs, events, args, t0)
+            for p in procs:
+                p.join(60)
+                if p.exitcode != 0:
+                    raise RuntimeError(f"{p.name} ended with exit code {p.exitcode}")
+        finally:
+            # On an error the others would wait for the missing member until
+            # --timeout: stop them now.
+            for p in started:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(10)
+            events.close()
     return log
 
 
