@@ -32,6 +32,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -58,7 +59,7 @@ CONNECT_TIMEOUT = 20
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The environment that reaches a running SLURM (``SLURM_CONF``)."""
     if os.environ.get("SLURM_CONF") and slurm_support.responding():
         yield {"SLURM_CONF": os.environ["SLURM_CONF"]}
@@ -121,24 +122,29 @@ class Program:
     def start(self, source: str, *args: str) -> subprocess.Popen:
         script = self.dir / "program.py"
         script.write_text(textwrap.dedent(source))
-        return subprocess.Popen(
-            [sys.executable, str(script), *args],
-            cwd=self.dir,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # files, not pipes: a program blocked on a full pipe while the test waits
+        # for its markers would look like a hang
+        with open(self.dir / "out", "w") as out, open(self.dir / "err", "w") as err:
+            return subprocess.Popen(
+                [sys.executable, str(script), *args],
+                cwd=self.dir,
+                env=self.env,
+                stdout=out,
+                stderr=err,
+            )
 
     def run(self, source: str, *args: str, timeout: float = 90) -> dict[str, Any]:
         return self.result(self.start(source, *args), timeout)
 
     def result(self, proc: subprocess.Popen, timeout: float = 90) -> dict[str, Any]:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
+            proc.wait()
+        out = (self.dir / "out").read_text()
+        err = (self.dir / "err").read_text()
+        if proc.returncode == -9:
             pytest.fail(f"the program did not end in {timeout}s:\n{out}\n{err[-4000:]}")
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"{out}\n{err[-6000:]}"

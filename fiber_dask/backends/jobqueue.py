@@ -144,7 +144,7 @@ SCHEDULERS: dict[str, _Scheduler] = {
             "job-mem",
             "job-extra-directives",
         ),
-    ),  # fmt: skip
+    ),
     "pbs": _Scheduler(
         "PBSCluster",
         lambda ids: ["qstat", *ids],
@@ -159,14 +159,14 @@ SCHEDULERS: dict[str, _Scheduler] = {
             "resource-spec",
             "job-extra-directives",
         ),
-    ),  # fmt: skip
+    ),
     "sge": _Scheduler(
         "SGECluster",
         lambda ids: ["qstat"],  # the user's jobs; it takes no list of ids
         lambda out: _after_rule(out, 0, 4),
         frozenset({"qw", "hqw", "r", "t", "Rr", "Rq", "s", "S", "T"}),
         ("queue", "project", "walltime", "resource-spec", "job-extra-directives"),
-    ),  # fmt: skip
+    ),
     "lsf": _Scheduler(
         "LSFCluster",
         lambda ids: ["bjobs", "-noheader", "-o", "jobid stat", *ids],
@@ -182,14 +182,14 @@ SCHEDULERS: dict[str, _Scheduler] = {
             "memory",
             "job-extra-directives",
         ),
-    ),  # fmt: skip
+    ),
     "htcondor": _Scheduler(
         "HTCondorCluster",
         lambda ids: ["condor_q", "-af:j", "JobStatus", *ids],
         _condor,
         frozenset({"IDLE", "RUNNING", "HELD", "TRANSFERRING", "SUSPENDED"}),
         ("cores", "memory", "disk", "job-extra-directives"),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -285,10 +285,8 @@ class _ReplacesEndedJobs:
         return None
 
     def _fiber_connected(self, job: str) -> bool:
-        return any(self._fiber_job_of(w.get("name")) == job for w in self._fiber_ws())
-
-    def _fiber_ws(self) -> list[dict[str, Any]]:
-        return list(self.scheduler_info["workers"].values())
+        workers = list(self.scheduler_info["workers"].values())
+        return any(self._fiber_job_of(w.get("name")) == job for w in workers)
 
     def _fiber_check_soon(self, job: str, waited: float) -> None:
         task = asyncio.ensure_future(self._fiber_check(job, waited))
