@@ -329,13 +329,22 @@ def test_scancel_of_a_worker_job_costs_a_rerun_and_gets_a_replacement(
 
 
 ADAPTIVE = """
-    import json, threading, time
+    import json, os, subprocess, sys, threading, time
     import fiber_dask
+
+    MARKS = sys.argv[1]
 
     def task(x):
         import os, time
         time.sleep(0.25)
         return x, os.environ.get("SLURM_JOB_ID")
+
+    def slow(x):
+        import os, time
+        job = os.environ["SLURM_JOB_ID"]
+        open(os.path.join(MARKS, f"started-{x}-{job}"), "w").close()
+        time.sleep(0.5)
+        return x
 
     if __name__ == "__main__":
         from fiber_dask import cluster
@@ -361,6 +370,22 @@ ADAPTIVE = """
             # (bounded), however slowly a loaded machine starts their workers.
             while len(jobs_seen) < 2 and time.monotonic() - t0 - t_pool < 60:
                 jobs_seen.update(j for _, j in pool.map(task, range(8), chunksize=1))
+            # A job that ends under load is replaced (adaptive scaling alone would
+            # go on counting it as requested).
+            pending = pool.map_async(slow, range(12), chunksize=1)
+            while not (started := os.listdir(MARKS)):
+                time.sleep(0.02)
+            out["killed"] = started[0].split("-")[2]
+            subprocess.run(["scancel", out["killed"]], check=True)
+            out["slow"] = pending.get(90)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                new = [j for j in handle.jobs() if j["id"] not in jobs_seen
+                       and j["state"] == "RUNNING" and j["workers"]]
+                if new:
+                    out["replacement"] = new[0]["id"]
+                    break
+                time.sleep(0.1)
         out["task_jobs"] = sorted(jobs_seen)
         t_closed = time.monotonic() - t0
         deadline = time.monotonic() + 60
@@ -380,7 +405,9 @@ ADAPTIVE = """
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_adaptive_scales_jobs_from_zero_to_two_and_back(slurm, tmp_path) -> None:
+def test_adaptive_scales_jobs_from_zero_to_two_replaces_a_lost_one_and_back(
+    slurm, tmp_path
+) -> None:
     prog = Program(
         tmp_path,
         slurm,
@@ -395,12 +422,18 @@ def test_adaptive_scales_jobs_from_zero_to_two_and_back(slurm, tmp_path) -> None
             }
         },
     )
-    r = prog.run(ADAPTIVE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    r = prog.run(ADAPTIVE, str(marks))
     print("adaptive on SLURM:", r)
     assert r["idle"] == [0, 0]  # no job before there is work
     assert r["processes"] == 2  # Pool() sized for the adaptive maximum
     assert r["max_workers"] == 2 and r["max_jobs"] == 2, r
     assert len(r["task_jobs"]) == 2 and all(r["task_jobs"]), r
+    # scancel under load: the work completes and a new job replaces the lost one
+    assert r["killed"] in r["task_jobs"]
+    assert r["slow"] == list(range(12))
+    assert r.get("replacement") and r["replacement"] not in r["task_jobs"], r
     assert r["after"] == [0, 0], r  # and no job once the pool is closed
     prog.assert_no_job_left()
 
