@@ -335,7 +335,10 @@ class _ReplacesEndedJobs:
             job_id,
             job,
         )
-        spec = self.worker_spec.pop(job)
+        # A new name (made while the old one is still taken): distributed's own
+        # lost-worker timer for the old name must not close the replacement.
+        self.worker_spec.update(self.new_worker_spec())
+        del self.worker_spec[job]
         process = self.workers.pop(job, None)
         if process is not None:
             try:
@@ -343,10 +346,6 @@ class _ReplacesEndedJobs:
             except Exception:  # noqa: BLE001 - it is gone either way
                 pass
             del process
-        del spec
-        # A new name: distributed's own lost-worker timer for the old name must
-        # not close the replacement.
-        self.worker_spec.update(self.new_worker_spec())
         await self._correct_state()
 
 
