@@ -689,3 +689,9 @@ def test_hpc_profile_builds_its_job_script(path: pathlib.Path) -> None:
     assert "--memory-limit" in script
     if section.get("interface"):
         assert f"--interface {section['interface']}" in script
+
+
+def test_without_dask_jobqueue_the_error_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "dask_jobqueue", None)  # import fails
+    with pytest.raises(ImportError, match=r'pip install "fiber-dask\[jobqueue\]"'):
+        jobqueue.make_cluster("slurm")
