@@ -457,8 +457,16 @@ WRONG_QUEUE = """
 
 
 @pytest.mark.timeout(90)
-def test_a_partition_that_does_not_exist_is_a_clear_error(slurm, tmp_path) -> None:
-    prog = Program(tmp_path, slurm, jobqueue={"queue": "no-such-partition"})
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_a_partition_that_does_not_exist_is_a_clear_error(
+    slurm, tmp_path, adaptive: bool
+) -> None:
+    prog = Program(
+        tmp_path,
+        slurm,
+        jobqueue={"queue": "no-such-partition"},
+        fiber={"adaptive": {"enabled": adaptive, "maximum": 2}},
+    )
     r = prog.run(WRONG_QUEUE, timeout=CONNECT_TIMEOUT + 30)
     error = r["error"]
     assert error is not None

@@ -13,13 +13,16 @@ them under ``fiber:``; :func:`setting` is the one place it reads them.
 
 How the ``fiber`` keys apply::
 
-    job = cores c, processes p  ──►  p workers of c // p threads  (c slots per job)
+    job = cores c, processes p  ──►  p workers of c // p threads  (Pool slots)
 
     not adaptive: one job at start; Pool(processes=N) submits jobs until N slots
                   exist (never fewer); the submission is waited for, so a job the
                   batch system refuses fails the Pool / init() with its message
     adaptive:     cluster.adapt(minimum, maximum, ...) in workers, as
-                  distributed.adaptive; fiber.adaptive.maximum is required
+                  distributed.adaptive; fiber.adaptive.maximum is required.  Jobs
+                  are submitted later, in the background: on SLURM the job is
+                  checked at start with ``sbatch --test-only``; elsewhere a refused
+                  job is logged (ERROR) with the same message
 
 Worker loss: a job that ends under a running program (``scancel``, walltime,
 a node failure) loses its workers; a Pool re-runs their chunks elsewhere, a
@@ -474,6 +477,37 @@ def submit(name: str, cluster: Any, jobs: int) -> None:
         raise ClusterConnectionError(_refused(name, cluster, error, timeout))
 
 
+def _test_only(cluster: Any) -> None:
+    """Ask SLURM whether it would accept the job (``sbatch --test-only``), so that
+    an adaptive cluster, which submits only once there is work, fails at start
+    on a partition or account that does not exist."""
+    import tempfile
+
+    timeout = config.timedelta("connect-timeout")
+    with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
+        f.write(cluster.job_script())
+        f.flush()
+        try:
+            r = subprocess.run(
+                ["sbatch", "--test-only", f.name],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            raise ClusterConnectionError(
+                _refused("slurm", cluster, "", timeout)
+            ) from None
+        except FileNotFoundError as e:
+            raise ClusterConnectionError(
+                f"sbatch is not installed here ({e}): run the program where SLURM's "
+                "commands work (a login node, or inside an allocation)"
+            ) from None
+    if r.returncode != 0:
+        words = r.stderr.strip() or r.stdout.strip()
+        raise ClusterConnectionError(_refused("slurm", cluster, words, timeout))
+
+
 def _submit_error(error: BaseException) -> str:
     """The batch system's own words from a failed submission."""
     text = str(error)
@@ -537,6 +571,8 @@ class JobQueueBackend(Backend):
         try:
             per_job, threads = _slots(cluster)
             if adaptive["enabled"]:
+                if self.name == "slurm":
+                    _test_only(cluster)
                 cluster.adapt(
                     minimum=adaptive["minimum"],
                     maximum=adaptive["maximum"],
