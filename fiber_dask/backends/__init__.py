@@ -2,8 +2,9 @@
 
 A backend turns the ``fiber`` config into a connected ``distributed.Client``.
 Built-ins are ``local`` (the embedded default) and ``address`` (an existing
-scheduler); ``kubernetes`` and third-party backends register themselves in the
-``fiber_dask.backends`` entry-point group::
+scheduler); ``kubernetes``, the batch schedulers ``slurm``, ``pbs``, ``sge``,
+``lsf`` and ``htcondor`` (dask-jobqueue, :mod:`.jobqueue`) and third-party
+backends register themselves in the ``fiber_dask.backends`` entry-point group::
 
     [project.entry-points."fiber_dask.backends"]
     mybackend = "mypackage.fiber:MyBackend"

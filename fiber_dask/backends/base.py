@@ -28,6 +28,9 @@ class ClusterHandle:
     #: For owned clusters that are not a ``SpecCluster`` (Kubernetes): called with
     #: the number of task slots needed at once, grows the cluster if it is smaller.
     grow: Callable[[int], None] | None = None
+    #: For batch-job clusters (dask-jobqueue): lists the jobs, one dict each
+    #: (``name``, ``id``, ``state``, ``workers``), for ``fiber-dask info``.
+    jobs: Callable[[], list[dict[str, Any]]] | None = None
 
     def close(self) -> None:
         if self.owned:

@@ -30,9 +30,10 @@ def info(
     """Connect as a program would and describe the cluster.
 
     Prints the backend, the scheduler address, the workers with their threads and
-    memory, and the dashboard link.  A cluster that fiber-dask starts for this
-    (the embedded one, a new Kubernetes cluster) is closed again afterwards; one it
-    attaches to keeps running.
+    memory, the batch jobs (SLURM, PBS, SGE, LSF, HTCondor: id and state) and the
+    dashboard link.  A cluster that fiber-dask starts for this (the embedded one, a
+    new Kubernetes cluster, batch jobs) is closed again afterwards (its jobs
+    cancelled); one it attaches to keeps running.
     """
     loaded = apply_config(config_files, backend=backend, address=address)
 
@@ -82,6 +83,8 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
         dashboard = client.dashboard_link if sched.get("services") else None
     except Exception:  # noqa: BLE001 - no dashboard is not an error here
         dashboard = None
+    # Batch-job clusters list their jobs with the batch system's state.
+    jobs = handle.jobs() if handle.jobs is not None else None
     try:
         import bokeh  # noqa: F401
 
@@ -100,6 +103,7 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
             if adaptive.get("enabled")
             else None
         ),
+        "jobs": jobs,
         "dashboard": dashboard,
         "dashboard_needs_bokeh": bool(dashboard) and not has_bokeh,
         "versions": {
@@ -130,6 +134,14 @@ def _print(data: dict[str, Any]) -> None:
     if data["adaptive"]:
         a = data["adaptive"]
         rows.append(("adaptive", f"minimum {a['minimum']}, maximum {a['maximum']}"))
+    if data.get("jobs") is not None:
+        jobs = data["jobs"]
+        listed = ", ".join(
+            f"{j['id'] or j['name']} {j['state'] or 'ended'} "
+            f"({j['workers']} worker{'s' * (j['workers'] != 1)})"
+            for j in jobs
+        )
+        rows.append(("jobs", f"{len(jobs)}" + (f": {listed}" if jobs else "")))
     dashboard = data["dashboard"] or "not served"
     if data["dashboard_needs_bokeh"]:
         dashboard += " (install bokeh to see it: pip install 'fiber-dask[diagnostics]')"
