@@ -44,3 +44,18 @@ def test_readme_links_point_to_files():
         assert os.path.exists(os.path.join(ROOT, target)), target
     for script in re.findall(r"python (examples/\S+\.py)", readme):
         assert os.path.exists(os.path.join(ROOT, script)), script
+
+
+def test_readme_api_names_exist():
+    """Every ``fiber_dask.name(...)`` the README shows is real, e.g.
+    ``fiber_dask.get_client().dashboard_link``."""
+    import importlib
+
+    readme = read("README.md")
+    names = set(re.findall(r"\bfiber_dask((?:\.[A-Za-z_]\w*)+)\(", readme))
+    assert ".get_client" in names and ".Pool" in names, names
+    for dotted in sorted(names):
+        obj = importlib.import_module("fiber_dask")
+        for part in dotted.strip(".").split("."):
+            obj = getattr(obj, part, None)
+            assert obj is not None, f"README mentions fiber_dask{dotted}"
