@@ -616,9 +616,30 @@ def test_config_validate(tmp_path: pathlib.Path) -> None:
     assert f"{bad}: Invalid fiber-dask configuration (2 problems)" in err
     assert "fiber.local.n-wrkers = 2\n    unknown key; did you mean 'n-workers'?" in err
     assert "fiber.adaptive.interval = 'soon'" in err
-    assert "allowed: a string matching" in err
+    assert "allowed: a duration as dask.utils.parse_timedelta reads it" in err
     assert f"from: file {bad}" in err
     assert f"{broken} is not valid YAML" in err and "line 2" in err
+
+
+def test_config_validate_flags_a_misspelt_section(tmp_path: pathlib.Path) -> None:
+    """A file with `fibre:` and no `fiber:` sets nothing fiber-dask reads."""
+    typo = write(tmp_path / "typo.yaml", "fibre:\n  pool:\n    chunksize: 2\n")
+    result = cli("config", "validate", typo)
+    assert result.returncode == 1
+    assert "fibre = {'pool': {'chunksize': 2}}" in result.stderr
+    assert "did you mean 'fiber'?" in result.stderr
+    assert f"from: file {typo}" in result.stderr
+    misplaced = write(tmp_path / "flat.yaml", "pool:\n  chunksize: 2\n")
+    result = cli("config", "validate", misplaced)
+    assert result.returncode == 1
+    assert "did you mean 'fiber.pool'?" in result.stderr
+    # dask-kubernetes' own namespace is not ours to judge.
+    theirs = write(tmp_path / "kube.yaml", "kubernetes:\n  namespace: x\n")
+    assert cli("config", "validate", theirs).returncode == 0
+    script = write(tmp_path / "s.py", "print('ran')\n")
+    run = cli("run", "--config", typo, script)
+    assert (run.returncode, run.stdout) == (1, "")
+    assert "did you mean 'fiber'?" in run.stderr
 
 
 def test_config_validate_ignores_the_environment(tmp_path: pathlib.Path) -> None:

@@ -18,7 +18,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 import venv
 import zipfile
 from collections.abc import Iterator
@@ -26,6 +25,11 @@ from collections.abc import Iterator
 import pytest
 import yaml
 from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the test extra installs tomli
+    import tomli as tomllib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = sorted((REPO / "adapters").glob("*.yaml"))

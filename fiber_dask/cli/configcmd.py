@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import pathlib
+import warnings
 from typing import Any
 
 import click
@@ -107,22 +108,28 @@ def _problems_of(path: str) -> str | None:
     from .. import config
 
     try:
-        load_yaml_mapping(path)
+        data = load_yaml_mapping(path)
     except CLIError as e:
         return e.format_message()
+    # A misspelt `fibre:` would otherwise pass: Dask keeps any top-level key.
+    problems = list(config.near_misses(data))
     saved = copy.deepcopy(dask.config.config)
     try:
         # The defaults and this file only: no other YAML, no environment variables.
         dask.config.refresh(paths=[os.path.abspath(path)], env={})
-        config.validate(extra_paths=[os.path.abspath(path)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # near misses: reported as problems
+            config.validate(extra_paths=[os.path.abspath(path)])
     except config.ConfigError as e:
-        # Everything that is not a default came from this file.
-        fixed = type(e)(str(e), [p._replace(source=f"file {path}") for p in e.problems])
-        return f"{path}: {describe_config_error(fixed)}"
+        problems += e.problems
     finally:
         dask.config.config.clear()
         dask.config.config.update(saved)
-    return None
+    if not problems:
+        return None
+    # Everything that is not a default came from this file.
+    problems = [p._replace(source=f"file {path}") for p in problems]
+    return f"{path}: {describe_config_error(config.ConfigError('', problems))}"
 
 
 # ----------------------------------------------------------------------------- init
