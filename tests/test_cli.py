@@ -20,6 +20,7 @@ import pty
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from typing import NamedTuple
@@ -36,6 +37,7 @@ DASK = BIN / "dask"
 
 # Seconds the command's processes get to disappear after it exits.
 ORPHAN_GRACE = 10.0
+UP_STATE_DIR = os.path.join(tempfile.gettempdir(), f"fiber-dask-tests-{os.getpid()}")
 
 
 class Result(NamedTuple):
@@ -50,6 +52,8 @@ def base_env(**extra: str) -> dict[str, str]:
     env.pop("FIBER_DASK_SWAP", None)
     env.pop("FIBER_DASK_SWAP_MAIN", None)
     env["DASK_FIBER__LOCAL__N_WORKERS"] = "2"
+    # Never the user's own `fiber-dask up` cluster: a state directory of the tests.
+    env["DASK_FIBER__UP__STATE_DIR"] = UP_STATE_DIR
     env.update(extra)
     return env
 
@@ -60,6 +64,7 @@ def cli(
     env: dict[str, str] | None = None,
     program: pathlib.Path = FIBER_DASK,
     timeout: float = 120,
+    input: str | None = None,
 ) -> Result:
     """Run the installed command; fail if it leaves any process behind."""
     assert program.exists(), (
@@ -69,13 +74,14 @@ def cli(
         [str(program), *map(str, args)],
         cwd=cwd,
         env=env if env is not None else base_env(),
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input, timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -133,6 +139,8 @@ COMMANDS = [
     [],
     ["run"],
     ["info"],
+    ["up"],
+    ["down"],
     ["config"],
     ["config", "show"],
     ["config", "validate"],
@@ -156,7 +164,7 @@ def test_dask_fiber_is_the_same_command(tmp_path: pathlib.Path) -> None:
     result = cli("fiber", "-h", program=DASK)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Usage: dask fiber")
-    for name in ("run", "info", "config", "kubernetes"):
+    for name in ("run", "info", "config", "kubernetes", "up", "down"):
         assert f"\n  {name} " in result.stdout
     script = write(tmp_path / "exit3.py", "import sys; print(sys.argv); sys.exit(3)\n")
     result = cli("fiber", "run", script, "a", program=DASK)
@@ -455,9 +463,157 @@ def test_swap_needs_the_main_guard_as_spawn_does(tmp_path: pathlib.Path) -> None
     )
     result = cli("run", "--swap-multiprocessing", script)
     assert result.returncode == 1
-    assert "finished its bootstrapping phase" in result.stderr
-    assert "Error: cannot start the cluster" in result.stderr
-    assert "if __name__ == '__main__':" in result.stderr.splitlines()[-1]
+    # One message, before any worker starts (none prints its traceback).
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: {script}: the embedded cluster would start")
+    assert "`if __name__ == '__main__':`" in line and "fiber-dask up" in line
+
+
+def test_run_without_main_guard_says_so_in_one_line(tmp_path: pathlib.Path) -> None:
+    script = write(
+        tmp_path / "unguarded.py",
+        "import fiber_dask\nprint('top')\nwith fiber_dask.Pool(2) as p:\n"
+        "    print(p.map(abs, [-1]))\n",
+    )
+    result = cli("run", script)
+    assert (result.returncode, result.stdout) == (1, "top\n")
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: {script}, line 3: the embedded cluster would")
+    # A guard anywhere at the top level: not this error (the script then runs).
+    guarded = write(
+        tmp_path / "guarded.py",
+        "import fiber_dask\nif '__main__' == __name__:\n"
+        "    with fiber_dask.Pool(2) as p:\n        print(p.map(abs, [-1]))\n",
+    )
+    result = cli("run", guarded)
+    assert (result.returncode, result.stdout) == (0, "[1]\n"), result.stderr
+
+
+MODULE_INTROSPECT = """\
+import json, os, sys
+main = sys.modules["__main__"]
+print("@@" + json.dumps({
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "name": __name__,
+    "file": __file__,
+    "main_is_me": main.__dict__ is globals(),
+    "spec": __spec__.name,
+    "package": __package__,
+    "cached": __cached__,
+    "loader": type(__loader__).__name__,
+    "cwd": os.getcwd(),
+}))
+if __name__ == "__main__":
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("target", ["pkg.intro", "pkg"])
+def test_run_module_as_python_does(tmp_path: pathlib.Path, target: str) -> None:
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "intro.py", MODULE_INTROSPECT)
+    write(tmp_path / "pkg" / "__main__.py", MODULE_INTROSPECT)
+    args = ["6", "--flag", "-h"]
+    ours = cli("run", "-m", target, *args, cwd=tmp_path)
+    python = subprocess.run(
+        [sys.executable, "-m", target, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=base_env(),
+    )
+    assert ours.returncode == python.returncode == 6, ours.stderr
+    assert marked(ours.stdout) == marked(python.stdout)
+
+
+def test_run_module_errors_in_one_line(tmp_path: pathlib.Path) -> None:
+    write(tmp_path / "nomain" / "__init__.py", "")
+    for target, words in [
+        ("no_such_module", "No module named no_such_module"),
+        ("no_such.thing", "No module named 'no_such'"),
+        ("nomain", "'nomain' is a package and cannot be directly executed"),
+    ]:
+        result = cli("run", "-m", target, cwd=tmp_path)
+        assert result.returncode == 1, target
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("Error: ") and words in line, line
+
+
+def test_run_module_pool_on_the_embedded_cluster(tmp_path: pathlib.Path) -> None:
+    """Workers import the module by name (as __mp_main__), as spawn does."""
+    write(tmp_path / "app" / "__init__.py", "")
+    write(
+        tmp_path / "app" / "job.py",
+        """\
+        import json, os, sys
+        import fiber_dask
+
+        def where(x):
+            return x * x, os.getpid()
+
+        print("@@" + json.dumps(["imported", __name__, os.getpid()]), flush=True)
+
+        if __name__ == "__main__":
+            with fiber_dask.Pool(2) as pool:
+                results = pool.map(where, range(6))
+            print("@@" + json.dumps(["ran", [r[0] for r in results],
+                                     sorted({r[1] for r in results}), sys.argv[1:]]))
+        """,
+    )
+    result = cli("run", "-m", "app.job", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    events = marked(result.stdout)
+    ((_, squares, task_pids, argv),) = [e for e in events if e[0] == "ran"]
+    assert squares == [x * x for x in range(6)] and argv == ["x"]
+    reimports = {e[2] for e in events if e[:2] == ["imported", "__mp_main__"]}
+    assert set(task_pids) <= reimports, events
+
+
+def test_run_script_from_stdin(tmp_path: pathlib.Path) -> None:
+    """`fiber-dask run -` as `python -`: no main guard needed, since no worker
+    imports a script that has no file; its functions travel by value."""
+    source = textwrap.dedent(
+        """\
+        import json, sys
+        import fiber_dask
+
+        def square(x):
+            return x * x
+
+        path0 = sys.path[0]  # as python set it (distributed adds its own later)
+        with fiber_dask.Pool(2) as pool:
+            squares = pool.map(square, range(5))
+        print("@@" + json.dumps([squares, sys.argv, path0, __name__]))
+        sys.exit(3)
+        """
+    )
+    result = cli("run", "-", "a", "--b", cwd=tmp_path, input=source)
+    assert result.returncode == 3, result.stderr
+    assert marked(result.stdout) == [[[0, 1, 4, 9, 16], ["-", "a", "--b"], "", "__main__"]]
+    # What python does with the same argv and path (no Pool: its spawn cannot).
+    python = subprocess.run(
+        [sys.executable, "-", "a", "--b"],
+        input="import json, sys\nprint('@@' + json.dumps([sys.argv, sys.path[0]]))\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert marked(python.stdout) == [[["-", "a", "--b"], ""]]
+    # Errors as python prints them, with <stdin> as the file.
+    bad = cli("run", "-", input="x = 1\nraise ValueError('boom')\n")
+    python = subprocess.run(
+        [sys.executable, "-"],
+        input="x = 1\nraise ValueError('boom')\n",
+        capture_output=True,
+        text=True,
+    )
+    assert (bad.returncode, bad.stderr) == (python.returncode, python.stderr)
+    # The swap re-imports the script from its file: one clear line.
+    swap = cli("run", "--swap-multiprocessing", "-", input="print(1)\n")
+    assert swap.returncode == 1 and swap.stdout == ""
+    (line,) = swap.stderr.splitlines()
+    assert "does not support a script from stdin" in line
 
 
 @pytest.fixture
