@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import pty
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 import yaml
+from support.wait import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = REPO / "adapters"
@@ -590,7 +592,9 @@ def test_run_script_from_stdin(tmp_path: pathlib.Path) -> None:
     )
     result = cli("run", "-", "a", "--b", cwd=tmp_path, input=source)
     assert result.returncode == 3, result.stderr
-    assert marked(result.stdout) == [[[0, 1, 4, 9, 16], ["-", "a", "--b"], "", "__main__"]]
+    assert marked(result.stdout) == [
+        [[0, 1, 4, 9, 16], ["-", "a", "--b"], "", "__main__"]
+    ]
     # What python does with the same argv and path (no Pool: its spawn cannot).
     python = subprocess.run(
         [sys.executable, "-", "a", "--b"],
@@ -980,3 +984,166 @@ def test_errors_are_red_on_a_terminal_and_exit_1(tmp_path: pathlib.Path) -> None
     plain = cli("config", "validate", bad)
     assert plain.returncode == 1 and "\x1b[" not in plain.stderr
     assert "fiber.pool.chunksize = 0" in plain.stderr
+
+
+def test_info_says_the_dashboard_closes_and_keep_keeps_it() -> None:
+    text = cli("info")
+    assert text.returncode == 0, text.stderr
+    (line,) = [x for x in text.stdout.splitlines() if x.startswith("dashboard:")]
+    assert "closed with the cluster when this command ends" in line
+    assert "fiber-dask info --keep" in line and "fiber-dask up" in line
+
+    proc = subprocess.Popen(
+        [str(FIBER_DASK), "info", "--keep", "--json"],
+        env=base_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("keeping the cluster until Ctrl-C"):
+                break
+        data = json.loads("".join(lines[:-1]))
+        assert data["kept"] is True and data["owned"] is True
+        # The cluster is still there: its scheduler answers.
+        host, port = data["scheduler"].removeprefix("tcp://").rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=10).close()
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    _check_no_orphans(proc.pid)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=5).close()
+
+
+# -------------------------------------------------------------------------- up/down
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+@pytest.fixture
+def up_env(tmp_path: pathlib.Path):
+    """An environment whose `fiber-dask up` state lives in tmp_path; whatever
+    cluster a test leaves up is stopped (and, failing that, killed) afterwards."""
+    env = base_env(DASK_FIBER__UP__STATE_DIR=str(tmp_path / "state"))
+    yield env
+    state = tmp_path / "state" / "up.json"
+    if state.exists():
+        pid = json.loads(state.read_text())["pid"]
+        cli("down", env=env)
+        if psutil.pid_exists(pid):
+            os.killpg(pid, 9)
+
+
+@pytest.mark.slow
+def test_up_serves_programs_until_down(up_env, tmp_path: pathlib.Path) -> None:
+    env = up_env
+    started = cli("up", env=env)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.startswith("up: 2 workers, 2 task slots at tcp://127.0.0.1:")
+    state_file = tmp_path / "state" / "up.json"
+    state = json.loads(state_file.read_text())
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    assert state_file.parent.stat().st_mode & 0o777 == 0o700
+    server = state["pid"]
+    tree = _tree(server)
+    assert len(tree) >= 3  # the server and its two worker processes (nannies')
+    # Nothing of it listens beyond 127.0.0.1.
+    listening = [
+        c.laddr
+        for p in tree
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and {a.ip for a in listening} == {"127.0.0.1"}, listening
+
+    again = cli("up", env=env)
+    assert again.returncode == 0 and again.stdout.startswith("already up: ")
+    assert json.loads(state_file.read_text())["pid"] == server
+
+    # A program finds it by itself and runs its tasks in its worker processes.
+    script = write(
+        tmp_path / "short.py",
+        """\
+        import json, os
+        import fiber_dask
+
+        def pid(_):
+            return os.getpid()
+
+        if __name__ == "__main__":
+            with fiber_dask.Pool(2) as pool:
+                pids = pool.map(pid, range(8))
+            handle = fiber_dask.cluster.get_handle()
+            print("@@" + json.dumps([handle.backend, handle.owned, sorted(set(pids))]))
+        """,
+    )
+    for _ in range(2):  # the cluster outlives each run
+        result = cli("run", script, env=env)
+        assert result.returncode == 0, result.stderr
+        ((backend, owned, pids),) = marked(result.stdout)
+        assert (backend, owned) == ("up", False)
+        assert set(pids) <= {p.pid for p in _tree(server)}
+    info = cli("info", env=env)
+    assert "the cluster of `fiber-dask up`; left running" in info.stdout
+    # A program that asks for the local backend gets a cluster of its own.
+    local = cli("run", "--backend", "local", script, env=env)
+    assert marked(local.stdout)[0][:2] == ["local", True], local.stderr
+    off = cli("run", script, env={**env, "DASK_FIBER__UP__USE": "false"})
+    assert marked(off.stdout)[0][:2] == ["local", True], off.stderr
+
+    stopped = cli("down", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith("down: stopped the cluster at tcp://127.0.0.1:")
+    assert not state_file.exists()
+    for p in tree:
+        wait_until(lambda p=p: not p.is_running(), 30, f"process {p.pid} to exit")
+    assert cli("down", env=env).stdout == "not up\n"
+
+
+def test_a_stale_state_file_is_ignored(up_env, tmp_path: pathlib.Path) -> None:
+    env = up_env
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state_file = tmp_path / "state" / "up.json"
+    write(
+        state_file,
+        json.dumps(
+            {
+                "pid": dead.pid,
+                "address": f"tcp://127.0.0.1:{_closed_port()}",
+                "dashboard": None,
+                "workers": 2,
+                "threads": 2,
+                "started": 0.0,
+            }
+        ),
+    )
+    script = write(
+        tmp_path / "s.py",
+        "import fiber_dask\nif __name__ == '__main__':\n"
+        "    print(fiber_dask.cluster.get_handle().backend)\n",
+    )
+    result = cli("run", script, env=env)
+    assert (result.returncode, result.stdout) == (0, "local\n"), result.stderr
+    # A live pid that is not the server (pid reuse) is stale too.
+    state_file.write_text(
+        state_file.read_text().replace(str(dead.pid), str(os.getpid()))
+    )
+    result = cli("run", script, env=env)
+    assert (result.returncode, result.stdout) == (0, "local\n"), result.stderr
+    removed = cli("down", env=env)
+    assert removed.stdout.startswith("not up (removed the stale ")
+    assert not state_file.exists()

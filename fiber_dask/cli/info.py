@@ -65,26 +65,29 @@ def info(
         else:
             _print(data)
         if data["kept"]:
-            click.echo("keeping the cluster until Ctrl-C (or SIGTERM) ...")
             _wait_for_interrupt()
     finally:
         fiber_dask.shutdown()
 
 
 def _wait_for_interrupt() -> None:
-    """Block until SIGINT or SIGTERM."""
+    """Say so, then block until SIGINT or SIGTERM."""
     import signal
     import threading
 
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Handlers first: a Ctrl-C right after the message must not abort the close.
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
+        click.echo("keeping the cluster until Ctrl-C (or SIGTERM) ...")
         while not stop.wait(0.5):
             pass
-    except KeyboardInterrupt:
-        pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
