@@ -59,3 +59,39 @@ def test_readme_api_names_exist():
         for part in dotted.strip(".").split("."):
             obj = getattr(obj, part, None)
             assert obj is not None, f"README mentions fiber_dask{dotted}"
+
+
+def test_docs_site_builds_with_warnings_as_errors(tmp_path):
+    """The API reference (mkdocstrings, from the docstrings), the README's
+    journeys and the configuration reference: `mkdocs build --strict`, as CI."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    page = (site / "configuration" / "index.html").read_text()
+    for key, _, _ in configdoc.rows():  # every key, with its variable
+        assert key in page, key
+    assert "DASK_FIBER__POOL__CHUNKSIZE" in page
+    api = (site / "api" / "pool" / "index.html").read_text()
+    assert 'id="fiber_dask.pool.Pool.imap_unordered"' in api
+    usage = (site / "usage" / "index.html").read_text()
+    assert "Attach to a Dask cluster you already run" in usage
+
+
+def test_docs_pages_carry_the_readme_journeys():
+    markers = set()
+    for name in os.listdir(os.path.join(ROOT, "docs")):
+        if name.endswith(".md"):
+            markers |= set(re.findall(r"<!-- readme: (.+?) -->", read("docs", name)))
+    headings = set(re.findall(r"^## (.+)$", read("README.md"), flags=re.M))
+    assert headings - markers == {"Development"}, headings - markers
