@@ -161,7 +161,10 @@ def test_every_schema_object_rejects_unknown_keys() -> None:
         for path, node in objects
         if node.get("additionalProperties") is not False and not checked_map(node)
     ]
-    assert open_objects == []
+    # A whole DaskCluster resource, passed to Kubernetes as written (its CRD
+    # schema, not ours, judges it).
+    passthrough = ["/properties/kubernetes/properties/custom-cluster-spec/anyOf/1"]
+    assert open_objects == passthrough
 
 
 @pytest.mark.parametrize(
