@@ -371,7 +371,10 @@ def legacy(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
     # fiber.run.swap-modules.
     write(tmp_path / "site" / "ourlib" / "__init__.py", THIRD_PARTY)
     script = write(tmp_path / "app" / "legacy.py", LEGACY)
-    env = base_env(PYTHONPATH=str(tmp_path / "site"))
+    # The library's directory first; then whatever this test run imports
+    # fiber_dask from (a checkout on PYTHONPATH, as in a worktree).
+    pythonpath = [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
+    env = base_env(PYTHONPATH=os.pathsep.join(p for p in pythonpath if p))
     return script, env
 
 
