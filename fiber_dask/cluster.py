@@ -115,7 +115,26 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
 
 
 def get_client(**kwargs: Any) -> Any:
-    """The ``distributed.Client`` fiber-dask uses (see :func:`get_handle`)."""
+    """The ``distributed.Client`` fiber-dask uses, connecting it if needed.
+
+    The cluster is resolved as for a Pool (see the module docstring); also
+    ``fiber_dask.get_client()``.
+
+    Parameters
+    ----------
+    **kwargs
+        ``client=`` or ``address=``, as for :func:`get_handle`.
+
+    Returns
+    -------
+    distributed.Client
+
+    Examples
+    --------
+    >>> import fiber_dask
+    >>> fiber_dask.get_client().dashboard_link  # doctest: +SKIP
+    'http://127.0.0.1:8787/status'
+    """
     return get_handle(**kwargs).client
 
 
