@@ -689,3 +689,19 @@ def test_existing_cluster_adapter_selects_address_backend() -> None:
 def test_adapter_yaml_is_plain_yaml() -> None:
     for path in ADAPTERS:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
+
+
+def test_dask_logging_config_sets_fiber_dasks_level() -> None:
+    """What the README says: DASK_LOGGING__FIBER_DASK=debug shows fiber-dask's
+    debug messages (Dask's logging config, applied when distributed is imported)."""
+    code = (
+        "import logging, fiber_dask, distributed\n"
+        "logging.getLogger('fiber_dask.pool').debug('probe-debug-message')\n"
+        "logging.getLogger('fiber_dask.pool').info('probe-info-message')\n"
+    )
+    on = run_fresh(code, DASK_LOGGING__FIBER_DASK="debug")
+    assert on.returncode == 0, on.stderr
+    assert "fiber_dask.pool - DEBUG - probe-debug-message" in on.stderr
+    off = run_fresh(code)
+    assert off.returncode == 0, off.stderr
+    assert "probe-debug-message" not in off.stderr

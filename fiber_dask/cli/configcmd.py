@@ -23,6 +23,15 @@ from ._common import (
 DEFAULTS_PROFILE = "defaults"
 
 
+def _adapter_files() -> list[pathlib.Path]:
+    """The profiles of adapters/ (packaged in the wheel, or the checkout's)."""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    for candidate in (package / "adapters", package.parent / "adapters"):
+        if candidate.is_dir():
+            return sorted(candidate.glob("*.yaml"))
+    return []
+
+
 @click.group("config", context_settings=CONTEXT_SETTINGS)
 def config_group() -> None:
     """Show, check and write fiber-dask configuration (Dask's `fiber` namespace)."""
@@ -143,8 +152,9 @@ def _problems_of(path: str) -> str | None:
     show_default=True,
     metavar="NAME",
     help="What to start from: 'defaults' (every key with its default and a comment) "
-    "or the name of a profile in adapters/ (e.g. local, existing-cluster, "
-    "kubernetes).",
+    "or the name of a profile shipped in adapters/: "
+    + ", ".join(sorted(p.stem for p in _adapter_files()))
+    + ".",
 )
 @click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
 def init(path: str | None, profile: str, force: bool) -> None:
@@ -182,20 +192,9 @@ def profiles() -> dict[str, pathlib.Path]:
     from .. import config
 
     found = {DEFAULTS_PROFILE: pathlib.Path(config.DEFAULTS_PATH)}
-    directory = adapters_dir()
-    if directory is not None:
-        for file in sorted(directory.glob("*.yaml")):
-            found.setdefault(file.stem, file)
+    for file in _adapter_files():
+        found.setdefault(file.stem, file)
     return found
-
-
-def adapters_dir() -> pathlib.Path | None:
-    """``adapters/``: packaged inside fiber_dask, or next to it in a source checkout."""
-    package = pathlib.Path(__file__).resolve().parent.parent
-    for candidate in (package / "adapters", package.parent / "adapters"):
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 def _profile_text(name: str) -> str:
