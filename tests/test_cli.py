@@ -494,6 +494,25 @@ def test_run_without_main_guard_says_so_in_one_line(tmp_path: pathlib.Path) -> N
     assert (result.returncode, result.stdout) == (0, "[1]\n"), result.stderr
 
 
+@pytest.mark.parametrize(
+    "source, guarded",
+    [
+        ("if __name__ == '__main__':\n    main()\n", True),
+        ('if "__main__" == __name__:\n    main()\n', True),
+        ("if __name__ != '__main__':\n    raise SystemExit\nmain()\n", True),
+        ("import sys\nif __name__ == '__main__' and sys.argv:\n    main()\n", True),
+        ("main()\n", False),
+        ("def f():\n    if __name__ == '__main__':\n        main()\n", False),
+        ("if name == '__main__':\n    main()\n", False),
+        ("x = (\n", True),  # a syntax error: compile() reports it, not the guard
+    ],
+)
+def test_main_guard_detection(source: str, guarded: bool) -> None:
+    from fiber_dask import mainguard
+
+    assert mainguard.has_main_guard(source) is guarded
+
+
 MODULE_INTROSPECT = """\
 import json, os, sys
 main = sys.modules["__main__"]
