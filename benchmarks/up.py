@@ -54,6 +54,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         base = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
         base["DASK_FIBER__LOCAL__N_WORKERS"] = str(args.workers)
@@ -77,7 +78,9 @@ def main() -> None:
             subprocess.run([FIBER_DASK, "down"], env=up, check=True, timeout=120)
 
     print(f"{args.script}, {args.workers} workers, {args.repeats} runs each")
-    print(f"load average before/after: see `uptime`; now {os.getloadavg()[0]:.1f}")
+    print(
+        f"load average (1 min): {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
     stdlib = statistics.median(times["python (stdlib)"])
     for name, values in times.items():
         med = statistics.median(values)
