@@ -14,7 +14,7 @@ from multiprocessing import (
 )
 
 from . import config  # noqa: F401  (loads the fiber.* defaults into dask.config)
-from .cluster import init, shutdown
+from .cluster import get_client, init, shutdown
 from .context import DaskContext, default_context, get_context
 from .errors import (
     ClusterConnectionError,
@@ -37,6 +37,7 @@ __all__ = [
     "WorkerLostError",
     "DaskContext",
     "get_context",
+    "get_client",
     "init",
     "meta",
     "shutdown",

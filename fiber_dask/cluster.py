@@ -8,7 +8,9 @@ Resolution, first match wins:
    (``DASK_SCHEDULER_ADDRESS``) → the ``address`` backend;
 4. inside a Dask worker, or with a default ``distributed.Client`` already
    running: that client;
-5. a new embedded ``LocalCluster`` (the ``local`` backend), started lazily on
+5. the long-lived local cluster of ``fiber-dask up``, if one runs
+   (:mod:`fiber_dask.backends.upcluster`);
+6. a new embedded ``LocalCluster`` (the ``local`` backend), started lazily on
    first use and closed at interpreter exit.
 
 A cluster fiber-dask did not start is never shut down by it.
@@ -20,9 +22,10 @@ import atexit
 import threading
 from typing import Any
 
-from . import config
+from . import config, mainguard
 from .backends import ClusterHandle, load_backend
 from .backends.address import configured_address
+from .backends.upcluster import running_handle
 
 __all__ = ["init", "shutdown", "get_handle", "get_client", "task_slots"]
 
@@ -112,7 +115,26 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
 
 
 def get_client(**kwargs: Any) -> Any:
-    """The ``distributed.Client`` fiber-dask uses (see :func:`get_handle`)."""
+    """The ``distributed.Client`` fiber-dask uses, connecting it if needed.
+
+    The cluster is resolved as for a Pool (see the module docstring); also
+    ``fiber_dask.get_client()``.
+
+    Parameters
+    ----------
+    **kwargs
+        ``client=`` or ``address=``, as for :func:`get_handle`.
+
+    Returns
+    -------
+    distributed.Client
+
+    Examples
+    --------
+    >>> import fiber_dask
+    >>> fiber_dask.get_client().dashboard_link  # doctest: +SKIP
+    'http://127.0.0.1:8787/status'
+    """
     return get_handle(**kwargs).client
 
 
@@ -137,7 +159,11 @@ def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHa
     existing = _existing_client()
     if existing is not None:
         return _handle_for_client(existing)
+    up = running_handle()  # the long-lived cluster of `fiber-dask up`, if any
+    if up is not None:
+        return up
     _check_not_bootstrapping()
+    mainguard.check()  # `fiber-dask run` of a script without a __main__ guard
     return load_backend("local")().start()
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -37,6 +37,7 @@ __all__ = [
     "BUILTIN_BACKENDS",
     "ENTRY_POINT_GROUP",
     "ConfigError",
+    "near_misses",
     "Problem",
     "available_backends",
     "defaults",
@@ -199,7 +200,117 @@ def _validator() -> jsonschema.Draft7Validator:
     # Imported here, not at module top, so that ``import fiber_dask`` stays cheap.
     import jsonschema
 
-    return jsonschema.Draft7Validator(schema())
+    checker = jsonschema.FormatChecker(formats=())
+    for name, (check, _) in _FORMATS.items():
+        checker.checks(name)(partial(_format_ok, check))
+    return jsonschema.Draft7Validator(schema(), format_checker=checker)
+
+
+# ---------------------------------------------------------------------- formats
+#
+# Strings with a syntax are checked by a named ``format`` in fiber-schema.yaml, here
+# with Dask's own parsers where Dask reads the value (so that what distributed
+# accepts, fiber-dask accepts), and described in words: no message shows a regular
+# expression.  Each check returns None for a good value, else why it is not.
+
+
+def _check_timedelta(value: str) -> str | None:
+    from dask.utils import parse_timedelta
+
+    text = value.strip()
+    if text.startswith("."):
+        # dask.utils.parse_timedelta reads ".5s" as 1.5 s
+        return f"{value!r} starts with '.', which dask misreads; write '0{text}'"
+    try:
+        seconds = parse_timedelta(text, default="seconds")
+    except KeyError:
+        unit = text.lstrip("0123456789.+-eE ")
+        return f"{value!r} is not a duration: unknown unit {unit!r}"
+    except (ValueError, TypeError, IndexError):
+        return f"{value!r} is not a duration"
+    if seconds is None or seconds < 0:
+        return f"{value!r} is not a non-negative duration"
+    return None
+
+
+def _check_memory_limit(value: str) -> str | None:
+    from dask.utils import parse_bytes
+
+    if value.strip() == "auto":
+        return None
+    if not value.strip():
+        return "must not be empty (parse_bytes would read it as 1 byte)"
+    try:
+        size = parse_bytes(value)
+    except (ValueError, TypeError, IndexError):
+        return f"{value!r} is not a byte size"
+    if size < 0:
+        return f"{value!r} is negative"
+    return None
+
+
+def _regex_check(pattern: str, what: str) -> Callable[[str], str | None]:
+    import re
+
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str | None:
+        return None if compiled.fullmatch(value) else f"{value!r} is not {what}"
+
+    return check
+
+
+# format name -> (check, what it accepts, in words)
+_FORMATS: dict[str, tuple[Callable[[str], str | None], str]] = {
+    "dask-timedelta": (
+        _check_timedelta,
+        "a duration as dask.utils.parse_timedelta reads it (units ns, us, ms, s, "
+        "m, h, d, w, or spelled out: '2 minutes')",
+    ),
+    "dask-memory-limit": (
+        _check_memory_limit,
+        "'auto' or a byte size as dask.utils.parse_bytes reads it ('4G', '4Gi', "
+        "'500 MB')",
+    ),
+    "kubernetes-quantity": (
+        _regex_check(
+            r"[+]?[0-9.]+([eE][-+]?[0-9]+|[munkMGTPE]|[KMGTPE]i)?",
+            "a Kubernetes quantity",
+        ),
+        "a Kubernetes quantity, e.g. '500m', '2', '4Gi', '1.5G'",
+    ),
+    "kubernetes-resource-name": (
+        _regex_check(
+            r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
+            "a Kubernetes resource name",
+        ),
+        "a Kubernetes resource name, e.g. cpu, memory, ephemeral-storage, "
+        "nvidia.com/gpu",
+    ),
+    "kubernetes-name": (
+        _regex_check(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", "a Kubernetes name"),
+        "lower-case letters, digits and '-', starting and ending with a letter or "
+        "digit, e.g. gpu, big-memory",
+    ),
+    "environment-variable-name": (
+        _regex_check(r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name"),
+        "an environment variable name: letters, digits, '_', '-' and '.', not "
+        "starting with a digit, e.g. OMP_NUM_THREADS",
+    ),
+    "dask-resource-name": (
+        _regex_check(r"[A-Za-z0-9_.-]+", "a Dask resource name"),
+        "a Dask resource name: letters, digits, '_', '.' and '-', e.g. GPU, MEMORY",
+    ),
+    "module-name": (
+        _regex_check(r"[A-Za-z_][A-Za-z0-9_]*", "a top-level module name"),
+        "a top-level module name (letters, digits and '_', no dots), e.g. mypkg",
+    ),
+}
+
+
+def _format_ok(check: Callable[[str], str | None], value: Any) -> bool:
+    # A format applies to strings only; other types are the `type` keyword's job.
+    return not isinstance(value, str) or check(value) is None
 
 
 def available_backends() -> list[str]:
@@ -289,6 +400,7 @@ def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str,
     # return the schema's spelling.
     current = _canonicalize(current, schema()["properties"]["fiber"])
     problems = _collect_problems(current, [os.fspath(p) for p in extra_paths])
+    _warn_near_misses(extra_paths)
     if problems:
         footer = f"Every key and its meaning: {SCHEMA_PATH}"
         raise ConfigError(f"{_describe_problems(problems)}\n\n{footer}", problems)
@@ -296,6 +408,110 @@ def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str,
     snapshot = copy.deepcopy(current)
     _last_valid = (frozen, snapshot)
     return copy.deepcopy(snapshot)
+
+
+# Top-level namespaces of Dask and its ecosystem: never a misspelt ``fiber`` section,
+# whatever they look like (dask-kubernetes' own ``kubernetes:`` above all).
+_DASK_NAMESPACES = frozenset(
+    {
+        "admin", "array", "coiled", "cloudprovider", "dask", "dataframe",
+        "distributed", "gateway", "jobqueue", "jupyter", "kubernetes",
+        "labextension", "local_directory", "logging", "optimization", "rmm",
+        "scheduler", "scheduler-address", "shuffle", "temporary-directory",
+        "tokenize", "ucx", "visualization", "yarn",
+    }
+)  # fmt: skip
+
+
+def near_misses(
+    data: Mapping[str, Any] | None = None,
+    *,
+    extra_paths: Iterable[str | os.PathLike[str]] = (),
+) -> list[Problem]:
+    """Top-level keys that look like a misspelt or misplaced ``fiber`` section.
+
+    ``fibre:`` (or ``fiber-dask:``) instead of ``fiber:``, or a section of fiber's
+    (``pool:``, ``local:``) written at the top level instead of under ``fiber:``:
+    Dask keeps such keys without complaint and fiber-dask never reads them.
+
+    Parameters
+    ----------
+    data : mapping, optional
+        A config file's contents, or by default Dask's whole current config.
+    extra_paths : iterable of path-like, optional
+        Further YAML files to search when naming where a key came from.
+
+    Returns
+    -------
+    list of Problem
+        One per suspicious key (none for Dask's own namespaces, such as
+        dask-kubernetes' ``kubernetes``).
+
+    Examples
+    --------
+    >>> from fiber_dask import config
+    >>> [p.reason for p in config.near_misses({"fibre": {"pool": {}}})]
+    ["unknown top-level section; did you mean 'fiber'?"]
+    """
+    import difflib
+
+    data = dask.config.config if data is None else data
+    known = set(_DASK_NAMESPACES)
+    for defaults_ in dask.config.defaults:
+        known.update(_norm(str(k)) for k in defaults_)
+    known.discard("fiber")  # ours is among Dask's defaults; "Fiber" is a miss
+    sections = sorted(schema()["properties"]["fiber"]["properties"])
+    section_objects = [
+        name
+        for name in sections
+        if schema()["properties"]["fiber"]["properties"][name].get("type") == "object"
+    ]
+    paths = [os.fspath(p) for p in extra_paths]
+    found: list[Problem] = []
+    for key, value in data.items():
+        if key == "fiber":
+            continue
+        # Dask's keys are case-sensitive ("Fiber:" is not read), "-" and "_" alike.
+        name = _norm(str(key)).lower()
+        if name in known:
+            continue
+        if name.startswith("fiber") or difflib.get_close_matches(
+            name, ["fiber"], n=1, cutoff=0.75
+        ):
+            reason = "unknown top-level section; did you mean 'fiber'?"
+        else:
+            guess = difflib.get_close_matches(name, section_objects, n=1, cutoff=0.8)
+            if not guess:
+                continue
+            reason = (
+                f"unknown top-level section; did you mean 'fiber.{guess[0]}'? "
+                "fiber-dask reads its settings only under 'fiber:'"
+            )
+        allowed = "fiber: with the keys " + ", ".join(sections)
+        source = _find_source([str(key)], value, paths)
+        found.append(Problem(str(key), value, reason, allowed, source))
+    return found
+
+
+_warned: set[str] = set()
+
+
+def _warn_near_misses(extra_paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Warn once per process about each key :func:`near_misses` finds.
+
+    A warning, not an error: the top level of Dask's config is shared with other
+    libraries, and a key that merely looks like ours must not stop a program.
+    """
+    import warnings
+
+    for p in near_misses(extra_paths=extra_paths):
+        if p.key not in _warned:
+            _warned.add(p.key)
+            warnings.warn(
+                f"Dask config key {p.key!r} ({p.source}): {p.reason}; it is ignored",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _describe_problems(problems: Sequence[Problem]) -> str:
@@ -454,6 +670,8 @@ def _describe(s: Mapping[str, Any]) -> str:
         text = repr(s["const"])
     else:
         types = s.get("type", [])
+        if not types and s.get("format") in _FORMATS:
+            types = ["string"]  # e.g. propertyNames: a key is a string
         words = []
         for t in [types] if isinstance(types, str) else types:
             word = _TYPE_WORDS.get(t, t)
@@ -461,8 +679,12 @@ def _describe(s: Mapping[str, Any]) -> str:
                 word += f" (minimum {s['minimum']})"
             if t == "string" and s.get("minLength"):
                 word = "a non-empty string"
-            if t == "string" and "pattern" in s:
-                word += f" matching {s['pattern']!r}"
+            if t == "string" and s.get("format") in _FORMATS:
+                word = _FORMATS[s["format"]][1]
+            elif t == "string" and "pattern" in s:
+                # Never a raw regular expression in a message: the description
+                # of the key says what the format is.
+                word += " in the format the key's description gives"
             if t == "object" and "properties" in s:
                 word += f" with the keys {', '.join(sorted(s['properties']))}"
             words.append(word)
@@ -479,8 +701,9 @@ def _reason(error: jsonschema.ValidationError) -> str:
         return f"wrong type: {type(value).__name__}"
     if kind == "minimum":
         return f"{value!r} is below the minimum {limit}"
+    if kind == "format" and limit in _FORMATS and isinstance(value, str):
+        return _FORMATS[limit][0](value) or f"{value!r} is not in the expected format"
     if kind == "pattern":
-        # The pattern itself is shown once, under "allowed".
         return f"{value!r} is not in the expected format"
     if kind == "minLength":
         return "must not be empty"

@@ -17,9 +17,11 @@ import json
 import os
 import pathlib
 import pty
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from typing import NamedTuple
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 import yaml
+from support.wait import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = REPO / "adapters"
@@ -36,6 +39,7 @@ DASK = BIN / "dask"
 
 # Seconds the command's processes get to disappear after it exits.
 ORPHAN_GRACE = 10.0
+UP_STATE_DIR = os.path.join(tempfile.gettempdir(), f"fiber-dask-tests-{os.getpid()}")
 
 
 class Result(NamedTuple):
@@ -50,6 +54,8 @@ def base_env(**extra: str) -> dict[str, str]:
     env.pop("FIBER_DASK_SWAP", None)
     env.pop("FIBER_DASK_SWAP_MAIN", None)
     env["DASK_FIBER__LOCAL__N_WORKERS"] = "2"
+    # Never the user's own `fiber-dask up` cluster: a state directory of the tests.
+    env["DASK_FIBER__UP__STATE_DIR"] = UP_STATE_DIR
     env.update(extra)
     return env
 
@@ -60,6 +66,7 @@ def cli(
     env: dict[str, str] | None = None,
     program: pathlib.Path = FIBER_DASK,
     timeout: float = 120,
+    input: str | None = None,
 ) -> Result:
     """Run the installed command; fail if it leaves any process behind."""
     assert program.exists(), (
@@ -69,13 +76,14 @@ def cli(
         [str(program), *map(str, args)],
         cwd=cwd,
         env=env if env is not None else base_env(),
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input, timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -133,6 +141,8 @@ COMMANDS = [
     [],
     ["run"],
     ["info"],
+    ["up"],
+    ["down"],
     ["config"],
     ["config", "show"],
     ["config", "validate"],
@@ -156,7 +166,7 @@ def test_dask_fiber_is_the_same_command(tmp_path: pathlib.Path) -> None:
     result = cli("fiber", "-h", program=DASK)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Usage: dask fiber")
-    for name in ("run", "info", "config", "kubernetes"):
+    for name in ("run", "info", "config", "kubernetes", "up", "down"):
         assert f"\n  {name} " in result.stdout
     script = write(tmp_path / "exit3.py", "import sys; print(sys.argv); sys.exit(3)\n")
     result = cli("fiber", "run", script, "a", program=DASK)
@@ -361,7 +371,10 @@ def legacy(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
     # fiber.run.swap-modules.
     write(tmp_path / "site" / "ourlib" / "__init__.py", THIRD_PARTY)
     script = write(tmp_path / "app" / "legacy.py", LEGACY)
-    env = base_env(PYTHONPATH=str(tmp_path / "site"))
+    # The library's directory first; then whatever this test run imports
+    # fiber_dask from (a checkout on PYTHONPATH, as in a worktree).
+    pythonpath = [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
+    env = base_env(PYTHONPATH=os.pathsep.join(p for p in pythonpath if p))
     return script, env
 
 
@@ -455,9 +468,178 @@ def test_swap_needs_the_main_guard_as_spawn_does(tmp_path: pathlib.Path) -> None
     )
     result = cli("run", "--swap-multiprocessing", script)
     assert result.returncode == 1
-    assert "finished its bootstrapping phase" in result.stderr
-    assert "Error: cannot start the cluster" in result.stderr
-    assert "if __name__ == '__main__':" in result.stderr.splitlines()[-1]
+    # One message, before any worker starts (none prints its traceback).
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: {script}: the embedded cluster would start")
+    assert "`if __name__ == '__main__':`" in line and "fiber-dask up" in line
+
+
+def test_run_without_main_guard_says_so_in_one_line(tmp_path: pathlib.Path) -> None:
+    script = write(
+        tmp_path / "unguarded.py",
+        "import fiber_dask\nprint('top')\nwith fiber_dask.Pool(2) as p:\n"
+        "    print(p.map(abs, [-1]))\n",
+    )
+    result = cli("run", script)
+    assert (result.returncode, result.stdout) == (1, "top\n")
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: {script}, line 3: the embedded cluster would")
+    # A guard anywhere at the top level: not this error (the script then runs).
+    guarded = write(
+        tmp_path / "guarded.py",
+        "import fiber_dask\nif '__main__' == __name__:\n"
+        "    with fiber_dask.Pool(2) as p:\n        print(p.map(abs, [-1]))\n",
+    )
+    result = cli("run", guarded)
+    assert (result.returncode, result.stdout) == (0, "[1]\n"), result.stderr
+
+
+@pytest.mark.parametrize(
+    "source, guarded",
+    [
+        ("if __name__ == '__main__':\n    main()\n", True),
+        ('if "__main__" == __name__:\n    main()\n', True),
+        ("if __name__ != '__main__':\n    raise SystemExit\nmain()\n", True),
+        ("import sys\nif __name__ == '__main__' and sys.argv:\n    main()\n", True),
+        ("main()\n", False),
+        ("def f():\n    if __name__ == '__main__':\n        main()\n", False),
+        ("if name == '__main__':\n    main()\n", False),
+        ("x = (\n", True),  # a syntax error: compile() reports it, not the guard
+    ],
+)
+def test_main_guard_detection(source: str, guarded: bool) -> None:
+    from fiber_dask import mainguard
+
+    assert mainguard.has_main_guard(source) is guarded
+
+
+MODULE_INTROSPECT = """\
+import json, os, sys
+main = sys.modules["__main__"]
+print("@@" + json.dumps({
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "name": __name__,
+    "file": __file__,
+    "main_is_me": main.__dict__ is globals(),
+    "spec": __spec__.name,
+    "package": __package__,
+    "cached": __cached__,
+    "loader": type(__loader__).__name__,
+    "cwd": os.getcwd(),
+}))
+if __name__ == "__main__":
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("target", ["pkg.intro", "pkg"])
+def test_run_module_as_python_does(tmp_path: pathlib.Path, target: str) -> None:
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "intro.py", MODULE_INTROSPECT)
+    write(tmp_path / "pkg" / "__main__.py", MODULE_INTROSPECT)
+    args = ["6", "--flag", "-h"]
+    ours = cli("run", "-m", target, *args, cwd=tmp_path)
+    python = subprocess.run(
+        [sys.executable, "-m", target, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=base_env(),
+    )
+    assert ours.returncode == python.returncode == 6, ours.stderr
+    assert marked(ours.stdout) == marked(python.stdout)
+
+
+def test_run_module_errors_in_one_line(tmp_path: pathlib.Path) -> None:
+    write(tmp_path / "nomain" / "__init__.py", "")
+    for target, words in [
+        ("no_such_module", "No module named no_such_module"),
+        ("no_such.thing", "No module named 'no_such'"),
+        ("nomain", "'nomain' is a package and cannot be directly executed"),
+    ]:
+        result = cli("run", "-m", target, cwd=tmp_path)
+        assert result.returncode == 1, target
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("Error: ") and words in line, line
+
+
+def test_run_module_pool_on_the_embedded_cluster(tmp_path: pathlib.Path) -> None:
+    """Workers import the module by name (as __mp_main__), as spawn does."""
+    write(tmp_path / "app" / "__init__.py", "")
+    write(
+        tmp_path / "app" / "job.py",
+        """\
+        import json, os, sys
+        import fiber_dask
+
+        def where(x):
+            return x * x, os.getpid()
+
+        print("@@" + json.dumps(["imported", __name__, os.getpid()]), flush=True)
+
+        if __name__ == "__main__":
+            with fiber_dask.Pool(2) as pool:
+                results = pool.map(where, range(6))
+            print("@@" + json.dumps(["ran", [r[0] for r in results],
+                                     sorted({r[1] for r in results}), sys.argv[1:]]))
+        """,
+    )
+    result = cli("run", "-m", "app.job", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    events = marked(result.stdout)
+    ((_, squares, task_pids, argv),) = [e for e in events if e[0] == "ran"]
+    assert squares == [x * x for x in range(6)] and argv == ["x"]
+    reimports = {e[2] for e in events if e[:2] == ["imported", "__mp_main__"]}
+    assert set(task_pids) <= reimports, events
+
+
+def test_run_script_from_stdin(tmp_path: pathlib.Path) -> None:
+    """`fiber-dask run -` as `python -`: no main guard needed, since no worker
+    imports a script that has no file; its functions travel by value."""
+    source = textwrap.dedent(
+        """\
+        import json, sys
+        import fiber_dask
+
+        def square(x):
+            return x * x
+
+        path0 = sys.path[0]  # as python set it (distributed adds its own later)
+        with fiber_dask.Pool(2) as pool:
+            squares = pool.map(square, range(5))
+        print("@@" + json.dumps([squares, sys.argv, path0, __name__]))
+        sys.exit(3)
+        """
+    )
+    result = cli("run", "-", "a", "--b", cwd=tmp_path, input=source)
+    assert result.returncode == 3, result.stderr
+    assert marked(result.stdout) == [
+        [[0, 1, 4, 9, 16], ["-", "a", "--b"], "", "__main__"]
+    ]
+    # What python does with the same argv and path (no Pool: its spawn cannot).
+    python = subprocess.run(
+        [sys.executable, "-", "a", "--b"],
+        input="import json, sys\nprint('@@' + json.dumps([sys.argv, sys.path[0]]))\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert marked(python.stdout) == [[["-", "a", "--b"], ""]]
+    # Errors as python prints them, with <stdin> as the file.
+    bad = cli("run", "-", input="x = 1\nraise ValueError('boom')\n")
+    python = subprocess.run(
+        [sys.executable, "-"],
+        input="x = 1\nraise ValueError('boom')\n",
+        capture_output=True,
+        text=True,
+    )
+    assert (bad.returncode, bad.stderr) == (python.returncode, python.stderr)
+    # The swap re-imports the script from its file: one clear line.
+    swap = cli("run", "--swap-multiprocessing", "-", input="print(1)\n")
+    assert swap.returncode == 1 and swap.stdout == ""
+    (line,) = swap.stderr.splitlines()
+    assert "does not support a script from stdin" in line
 
 
 @pytest.fixture
@@ -616,9 +798,30 @@ def test_config_validate(tmp_path: pathlib.Path) -> None:
     assert f"{bad}: Invalid fiber-dask configuration (2 problems)" in err
     assert "fiber.local.n-wrkers = 2\n    unknown key; did you mean 'n-workers'?" in err
     assert "fiber.adaptive.interval = 'soon'" in err
-    assert "allowed: a string matching" in err
+    assert "allowed: a duration as dask.utils.parse_timedelta reads it" in err
     assert f"from: file {bad}" in err
     assert f"{broken} is not valid YAML" in err and "line 2" in err
+
+
+def test_config_validate_flags_a_misspelt_section(tmp_path: pathlib.Path) -> None:
+    """A file with `fibre:` and no `fiber:` sets nothing fiber-dask reads."""
+    typo = write(tmp_path / "typo.yaml", "fibre:\n  pool:\n    chunksize: 2\n")
+    result = cli("config", "validate", typo)
+    assert result.returncode == 1
+    assert "fibre = {'pool': {'chunksize': 2}}" in result.stderr
+    assert "did you mean 'fiber'?" in result.stderr
+    assert f"from: file {typo}" in result.stderr
+    misplaced = write(tmp_path / "flat.yaml", "pool:\n  chunksize: 2\n")
+    result = cli("config", "validate", misplaced)
+    assert result.returncode == 1
+    assert "did you mean 'fiber.pool'?" in result.stderr
+    # dask-kubernetes' own namespace is not ours to judge.
+    theirs = write(tmp_path / "kube.yaml", "kubernetes:\n  namespace: x\n")
+    assert cli("config", "validate", theirs).returncode == 0
+    script = write(tmp_path / "s.py", "print('ran')\n")
+    run = cli("run", "--config", typo, script)
+    assert (run.returncode, run.stdout) == (1, "")
+    assert "did you mean 'fiber'?" in run.stderr
 
 
 def test_config_validate_ignores_the_environment(tmp_path: pathlib.Path) -> None:
@@ -803,3 +1006,167 @@ def test_errors_are_red_on_a_terminal_and_exit_1(tmp_path: pathlib.Path) -> None
     plain = cli("config", "validate", bad)
     assert plain.returncode == 1 and "\x1b[" not in plain.stderr
     assert "fiber.pool.chunksize = 0" in plain.stderr
+
+
+def test_info_says_the_dashboard_closes_and_keep_keeps_it() -> None:
+    text = cli("info")
+    assert text.returncode == 0, text.stderr
+    (line,) = [x for x in text.stdout.splitlines() if x.startswith("dashboard:")]
+    assert "closed with the cluster when this command ends" in line
+    assert "fiber-dask info --keep" in line and "fiber-dask up" in line
+
+    proc = subprocess.Popen(
+        [str(FIBER_DASK), "info", "--keep", "--json"],
+        env=base_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("keeping the cluster until Ctrl-C"):
+                break
+        data = json.loads("".join(lines[:-1]))
+        assert data["kept"] is True and data["owned"] is True
+        # The cluster is still there: its scheduler answers.
+        host, port = data["scheduler"].removeprefix("tcp://").rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=10).close()
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    _check_no_orphans(proc.pid)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=5).close()
+
+
+# -------------------------------------------------------------------------- up/down
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+@pytest.fixture
+def up_env(tmp_path: pathlib.Path):
+    """An environment whose `fiber-dask up` state lives in tmp_path; whatever
+    cluster a test leaves up is stopped (and, failing that, killed) afterwards."""
+    env = base_env(DASK_FIBER__UP__STATE_DIR=str(tmp_path / "state"))
+    yield env
+    state = tmp_path / "state" / "up.json"
+    if state.exists():
+        pid = json.loads(state.read_text())["pid"]
+        cli("down", env=env)
+        if psutil.pid_exists(pid):
+            os.killpg(pid, 9)
+
+
+@pytest.mark.slow
+def test_up_serves_programs_until_down(up_env, tmp_path: pathlib.Path) -> None:
+    env = up_env
+    started = cli("up", env=env)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.startswith("up: 2 workers, 2 task slots at tcp://127.0.0.1:")
+    state_file = tmp_path / "state" / "up.json"
+    state = json.loads(state_file.read_text())
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    assert state_file.parent.stat().st_mode & 0o777 == 0o700
+    server = state["pid"]
+    tree = _tree(server)
+    assert len(tree) >= 3  # the server and its two worker processes (nannies')
+    # Nothing of it listens beyond 127.0.0.1.
+    listening = [
+        c.laddr
+        for p in tree
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and {a.ip for a in listening} == {"127.0.0.1"}, listening
+
+    again = cli("up", env=env)
+    assert again.returncode == 0 and again.stdout.startswith("already up: ")
+    assert json.loads(state_file.read_text())["pid"] == server
+
+    # A program finds it by itself and runs its tasks in its worker processes.
+    script = write(
+        tmp_path / "short.py",
+        """\
+        import json, os
+        import fiber_dask
+
+        def pid(_):
+            return os.getpid()
+
+        if __name__ == "__main__":
+            with fiber_dask.Pool(2) as pool:
+                pids = pool.map(pid, range(8))
+            handle = fiber_dask.cluster.get_handle()
+            print("@@" + json.dumps([handle.backend, handle.owned, sorted(set(pids))]))
+        """,
+    )
+    for _ in range(2):  # the cluster outlives each run
+        result = cli("run", script, env=env)
+        assert result.returncode == 0, result.stderr
+        ((backend, owned, pids),) = marked(result.stdout)
+        assert (backend, owned) == ("up", False)
+        assert set(pids) <= {p.pid for p in _tree(server)}
+    info = cli("info", env=env)
+    assert "the cluster of `fiber-dask up`; left running" in info.stdout
+    # A program that asks for the local backend gets a cluster of its own.
+    local = cli("run", "--backend", "local", script, env=env)
+    assert marked(local.stdout)[0][:2] == ["local", True], local.stderr
+    off = cli("run", script, env={**env, "DASK_FIBER__UP__USE": "false"})
+    assert marked(off.stdout)[0][:2] == ["local", True], off.stderr
+
+    stopped = cli("down", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith("down: stopped the cluster at tcp://127.0.0.1:")
+    assert not state_file.exists()
+    for p in tree:
+        wait_until(lambda p=p: not p.is_running(), 30, f"process {p.pid} to exit")
+    assert cli("down", env=env).stdout == "not up\n"
+
+
+def test_a_stale_state_file_is_ignored(up_env, tmp_path: pathlib.Path) -> None:
+    env = up_env
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state_file = tmp_path / "state" / "up.json"
+    write(
+        state_file,
+        json.dumps(
+            {
+                "pid": dead.pid,
+                "address": f"tcp://127.0.0.1:{_closed_port()}",
+                "dashboard": None,
+                "workers": 2,
+                "threads": 2,
+                "started": 0.0,
+            }
+        ),
+    )
+    script = write(
+        tmp_path / "s.py",
+        "import fiber_dask\nif __name__ == '__main__':\n"
+        "    print(fiber_dask.cluster.get_handle().backend)\n",
+    )
+    result = cli("run", script, env=env)
+    assert (result.returncode, result.stdout) == (0, "local\n"), result.stderr
+    # A live pid that is not the server (pid reuse) is stale too.
+    from fiber_dask.backends import upcluster
+
+    state_file.write_text(
+        state_file.read_text().replace(str(dead.pid), str(os.getpid()))
+    )
+    assert upcluster.read_state(str(state_file)) is None
+    removed = cli("down", env=env)
+    assert removed.stdout.startswith("not up (removed the stale ")
+    assert not state_file.exists()

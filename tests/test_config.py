@@ -153,7 +153,7 @@ def test_every_schema_object_rejects_unknown_keys() -> None:
         return (
             "properties" not in node
             and isinstance(node.get("additionalProperties"), Mapping)
-            and "pattern" in node.get("propertyNames", {})
+            and {"pattern", "format"} & set(node.get("propertyNames", {}))
         )
 
     open_objects = [
@@ -161,7 +161,10 @@ def test_every_schema_object_rejects_unknown_keys() -> None:
         for path, node in objects
         if node.get("additionalProperties") is not False and not checked_map(node)
     ]
-    assert open_objects == []
+    # A whole DaskCluster resource, passed to Kubernetes as written (its CRD
+    # schema, not ours, judges it).
+    passthrough = ["/properties/kubernetes/properties/custom-cluster-spec/anyOf/1"]
+    assert open_objects == passthrough
 
 
 @pytest.mark.parametrize(
@@ -437,11 +440,165 @@ def test_good_duration(value: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["auto", "4GiB", "500 MB", 0, 0.5, 4_000_000_000, None]
+    "value",
+    ["auto", "4GiB", "4G", "4Gi", "4 gb", "500 MB", "1e9", 0, 0.5, 4_000_000_000, None],
 )
 def test_good_memory_limit(value: Any) -> None:
+    """What distributed's own parser (parse_memory_limit) accepts."""
+    import logging
+
+    from distributed.worker_memory import parse_memory_limit
+
+    # distributed accepts it (raises otherwise) ...
+    parse_memory_limit(value, nthreads=1, total_cores=1, logger=logging.getLogger())
+    # ... and so does fiber-dask
     with dask.config.set({"fiber.local.memory-limit": value}):
         config.validate()
+
+
+@pytest.mark.parametrize("value", ["lots", "-1G", "4 XB", "", True])
+def test_bad_memory_limit(value: Any) -> None:
+    with (
+        dask.config.set({"fiber.local.memory-limit": value}),
+        pytest.raises(config.ConfigError) as info,
+    ):
+        config.validate()
+    (problem,) = info.value.problems
+    assert problem.key == "fiber.local.memory-limit"
+    assert "parse_bytes" in problem.allowed and "'4Gi'" in problem.allowed
+
+
+def _schema_strings(node: Any) -> Iterator[str]:
+    if isinstance(node, Mapping):
+        for value in node.values():
+            yield from _schema_strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schema_strings(value)
+    elif isinstance(node, str):
+        yield node
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("pool.prefetch", "soon"),
+        ("local.memory-limit", "lots"),
+        ("kubernetes.env", {"NOT A NAME": "1"}),
+        ("kubernetes.resources", {"limits": {"memory": "lots"}}),
+        ("kubernetes.resources", {"limits": {"no such/name/x": "1"}}),
+        ("kubernetes.dask-resources", {"G PU": 1}),
+        ("kubernetes.worker-groups", [{"name": "GPU"}]),
+        ("run.swap-modules", ["a.b"]),
+    ],
+)
+def test_messages_show_no_regular_expression(key: str, value: Any) -> None:
+    """Formats are described in words; nothing like '^[a-z]...$' reaches a user."""
+    with (
+        dask.config.set({f"fiber.{key}": value}),
+        pytest.raises(config.ConfigError) as info,
+    ):
+        config.validate()
+    message = str(info.value)
+    for regex in ("^", "$'", "[a-z", "\\d", "(?"):
+        assert regex not in message, message
+    assert "anything" not in message  # every rejected value says what is allowed
+    for problem in info.value.problems:
+        assert problem.allowed and problem.reason
+
+
+def test_schema_uses_no_patterns() -> None:
+    """Syntax is checked by the named formats of config.py, which say in words
+    what they accept, and durations and sizes by Dask's own parsers."""
+    fiber = config.schema()["properties"]["fiber"]
+    assert not [
+        s for s in _schema_strings(fiber) if s.startswith("^") and s.endswith("$")
+    ]
+    formats = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            if "format" in node:
+                formats.add(node["format"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(fiber)
+    assert formats <= set(config._FORMATS), formats - set(config._FORMATS)
+    assert {"dask-timedelta", "dask-memory-limit"} <= formats
+
+
+def test_durations_agree_with_dask() -> None:
+    """Every duration Dask's parser reads as >= 0 is accepted, except a leading
+    '.', which Dask misreads ('.5s' is 1.5 s)."""
+    from dask.utils import parse_timedelta
+
+    for text in ["5s", "5S", "1e3s", "1 hour", "3 days", "2w", "10", "100us", "1.5h"]:
+        assert parse_timedelta(text) >= 0
+        with dask.config.set({"fiber.adaptive.interval": text}):
+            config.validate()
+    with (
+        dask.config.set({"fiber.adaptive.interval": ".5s"}),
+        pytest.raises(config.ConfigError, match="write '0.5s'"),
+    ):
+        config.validate()
+    with (
+        dask.config.set({"fiber.adaptive.interval": "5 sec"}),
+        pytest.raises(config.ConfigError, match="unknown unit 'sec'"),
+    ):
+        config.validate()
+
+
+# ---------------------------------------------------------- misspelt sections
+
+
+@pytest.mark.parametrize(
+    "key, guess",
+    [
+        ("fibre", "fiber"),
+        ("fiber-dask", "fiber"),
+        ("fiber_dask", "fiber"),
+        ("Fiber", "fiber"),
+        ("pool", "fiber.pool"),
+        ("adaptve", "fiber.adaptive"),
+        ("local", "fiber.local"),
+    ],
+)
+def test_near_misses_of_the_fiber_section(key: str, guess: str) -> None:
+    (problem,) = config.near_misses({key: {"x": 1}, "fiber": {}})
+    assert problem.key == key
+    assert f"did you mean '{guess}'?" in problem.reason
+
+
+def test_dask_namespaces_are_not_near_misses() -> None:
+    data = {
+        name: {}
+        for name in ["kubernetes", "distributed", "jobqueue", "array", "logging"]
+    }
+    data.update({"scheduler-address": "tcp://x:1", "myapp": {"pool": 1}})
+    assert config.near_misses(data) == []
+
+
+def test_a_near_miss_in_the_config_warns_once(
+    dask_env: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    path = write_config(tmp_path / "conf", "fibre:\n  pool:\n    chunksize: 4\n")
+    dask_env.setenv("DASK_CONFIG", str(tmp_path / "conf"))
+    dask_env.setattr(config, "_warned", set())
+    dask_env.setattr(config, "_last_valid", None)
+    refresh_from_env()
+    with pytest.warns(UserWarning, match="did you mean 'fiber'") as record:
+        config.validate()
+    assert path in str(record[0].message)
+    with dask.config.set({"fiber.pool.chunksize": 3}):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            config.validate()  # warned already
 
 
 def test_adaptive_maximum_below_minimum() -> None:
@@ -532,3 +689,19 @@ def test_existing_cluster_adapter_selects_address_backend() -> None:
 def test_adapter_yaml_is_plain_yaml() -> None:
     for path in ADAPTERS:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
+
+
+def test_dask_logging_config_sets_fiber_dasks_level() -> None:
+    """What the README says: DASK_LOGGING__FIBER_DASK=debug shows fiber-dask's
+    debug messages (Dask's logging config, applied when distributed is imported)."""
+    code = (
+        "import logging, fiber_dask, distributed\n"
+        "logging.getLogger('fiber_dask.pool').debug('probe-debug-message')\n"
+        "logging.getLogger('fiber_dask.pool').info('probe-info-message')\n"
+    )
+    on = run_fresh(code, DASK_LOGGING__FIBER_DASK="debug")
+    assert on.returncode == 0, on.stderr
+    assert "fiber_dask.pool - DEBUG - probe-debug-message" in on.stderr
+    off = run_fresh(code)
+    assert off.returncode == 0, off.stderr
+    assert "probe-debug-message" not in off.stderr

@@ -400,6 +400,197 @@ def test_name_template_and_group_inheritance() -> None:
         assert doc["metadata"]["name"] == f"u-{user}"
 
 
+# ------------------------------------------- dask-kubernetes' own configuration
+
+
+def test_dask_kubernetes_settings_are_the_defaults_beneath() -> None:
+    """A user's kubernetes.* (their kubernetes.yaml) fills the fiber.kubernetes
+    keys left at fiber-dask's defaults; fiber's own keys win; mappings merge."""
+    theirs = {
+        "kubernetes.image": "registry.example.com/team/img:2",
+        "kubernetes.namespace": "science",
+        "kubernetes.env": {"A": "theirs", "B": "theirs"},
+        "kubernetes.resources": {"limits": {"cpu": "2"}},
+        "kubernetes.count.start": 5,
+        "kubernetes.scheduler-service-type": "NodePort",
+        "kubernetes.name": "team-{user}",
+    }
+    with dask.config.set(theirs):
+        (doc,) = manifests({"kubernetes": {"env": {"B": "ours"}}})
+        assert doc["metadata"]["namespace"] == "science"
+        assert doc["metadata"]["name"] == f"team-{kubemanifest._user()}"
+        worker = doc["spec"]["worker"]
+        assert worker["replicas"] == 5
+        (container,) = worker["spec"]["containers"]
+        assert container["image"] == "registry.example.com/team/img:2"
+        assert {e["name"]: e["value"] for e in container["env"]} == {
+            "A": "theirs",
+            "B": "ours",
+        }
+        assert container["resources"] == {"limits": {"cpu": "2"}}
+        assert doc["spec"]["scheduler"]["service"]["type"] == "NodePort"
+        # fiber.kubernetes keys that are set win.
+        (doc,) = manifests(base(namespace="mine", **{"n-workers": 1}))
+        assert doc["metadata"] == {"name": "demo", "namespace": "mine"}
+        assert doc["spec"]["worker"]["replicas"] == 1
+        assert (
+            doc["spec"]["worker"]["spec"]["containers"][0]["image"] == "example/img:1"
+        )
+
+
+def test_dask_kubernetes_own_defaults_are_not_taken() -> None:
+    """dask-kubernetes' packaged image (ghcr.io/dask/dask, without fiber-dask) and
+    name template do not stand in for fiber-dask's."""
+    import dask_kubernetes  # noqa: F401  (loads its defaults into dask.config)
+
+    assert dask.config.get("kubernetes.image").startswith("ghcr.io/dask/dask")
+    with pytest.raises(config.ConfigError, match="fiber.kubernetes.image"):
+        manifests({"kubernetes": {"name": "demo"}})
+    (doc,) = manifests(base())
+    assert doc["metadata"]["name"] == "demo"
+    assert doc["spec"]["worker"]["replicas"] == 2  # not kubernetes.count.start (0)
+
+
+def test_a_bad_dask_kubernetes_value_names_its_key() -> None:
+    with (
+        dask.config.set({"kubernetes.resources": {"limits": {"memory": "lots"}}}),
+        pytest.raises(config.ConfigError) as info,
+    ):
+        manifests(base())
+    (problem,) = info.value.problems
+    assert problem.key == "fiber.kubernetes.resources.limits.memory"
+    assert problem.source.startswith("kubernetes.resources")
+
+
+def test_a_users_kubernetes_yaml_reaches_the_manifest(tmp_path: pathlib.Path) -> None:
+    """The user journey: an existing ~/.config/dask/kubernetes.yaml, a fiber
+    profile that only names the cluster, `fiber-dask kubernetes manifest`."""
+    import subprocess
+
+    conf = tmp_path / "dask"
+    conf.mkdir()
+    (conf / "kubernetes.yaml").write_text(
+        "kubernetes:\n  image: registry.example.com/team/img:3\n"
+        "  namespace: team\n  env: {OMP_NUM_THREADS: '1'}\n"
+    )
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("fiber:\n  backend: kubernetes\n  kubernetes: {name: job}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env.update(DASK_CONFIG=str(conf), PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-m", "fiber_dask.cli", "kubernetes", "manifest"]
+        + ["--config", str(profile)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    (doc,) = yaml.safe_load_all(result.stdout)
+    assert doc["metadata"] == {"name": "job", "namespace": "team"}
+    (container,) = doc["spec"]["worker"]["spec"]["containers"]
+    assert container["image"] == "registry.example.com/team/img:3"
+    assert {"name": "OMP_NUM_THREADS", "value": "1"} in container["env"]
+
+
+def _custom_spec() -> dict[str, Any]:
+    from dask_kubernetes.operator import make_cluster_spec
+
+    spec = make_cluster_spec(
+        name="theirs",
+        image="registry.example.com/custom:1",
+        n_workers=4,
+        worker_command=["dask", "worker", "--nthreads", "2"],
+    )
+    spec["spec"]["worker"]["spec"]["containers"][0]["env"] = [
+        {"name": "CUSTOM", "value": "yes"}
+    ]
+    return spec
+
+
+@pytest.mark.parametrize("where", ["fiber", "dask-kubernetes", "file"])
+def test_custom_cluster_spec_passthrough(
+    where: str, tmp_path: pathlib.Path, crds
+) -> None:
+    spec = _custom_spec()
+    if where == "file":
+        path = tmp_path / "cluster.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        value: Any = str(path)
+    else:
+        value = spec
+    if where == "dask-kubernetes":
+        with dask.config.set({"kubernetes.custom-cluster-spec": value}):
+            docs = manifests({"kubernetes": {}})
+    else:
+        docs = manifests({"kubernetes": {"custom-cluster-spec": value}})
+    (doc,) = docs
+    hk.validate_custom_resource(doc, crds)
+    assert doc["metadata"]["name"] == "theirs"  # the spec's own name
+    (container,) = doc["spec"]["worker"]["spec"]["containers"]
+    assert container["image"] == "registry.example.com/custom:1"
+    assert container["args"] == spec["spec"]["worker"]["spec"]["containers"][0]["args"]
+    assert container["env"] == [{"name": "CUSTOM", "value": "yes"}]
+    assert doc["spec"]["worker"]["replicas"] == 4
+    (scheduler,) = doc["spec"]["scheduler"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in scheduler["env"]}
+    assert (
+        "distributed.http.scheduler.api"
+        in env["DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES"]
+    )
+
+
+def test_custom_cluster_spec_with_adaptive_and_a_name(crds) -> None:
+    cfg = {
+        "kubernetes": {"name": "ours", "custom-cluster-spec": _custom_spec()},
+        "adaptive": {"enabled": True, "minimum": 1, "maximum": 6},
+    }
+    p = kubemanifest.plan(kubemanifest.effective_config(cfg))
+    assert (p.name, p.n_workers, p.adaptive, p.threads_per_worker) == (
+        "ours",
+        1,
+        (1, 6),
+        2,
+    )
+    cluster, autoscaler = p.documents()
+    assert cluster["metadata"]["name"] == "ours"
+    assert cluster["spec"]["worker"]["replicas"] == 1
+    assert autoscaler["spec"] == {"cluster": "ours", "minimum": 1, "maximum": 6}
+    for doc in p.documents():
+        hk.validate_custom_resource(doc, crds)
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"kind": "Pod", "spec": {}}, "not a DaskCluster"),
+        ({"spec": {"worker": {}}}, "not a DaskCluster"),
+        ("/no/such/file.yaml", "cannot read it"),
+    ],
+)
+def test_bad_custom_cluster_spec(value: Any, words: str) -> None:
+    with pytest.raises(config.ConfigError) as info:
+        manifests({"kubernetes": {"custom-cluster-spec": value}})
+    assert "fiber.kubernetes.custom-cluster-spec" in {
+        p.key for p in info.value.problems
+    }
+    assert words in str(info.value)
+
+
+def test_the_mapping_of_dask_kubernetes_keys_is_documented() -> None:
+    """adapters/kubernetes/README.md's table names every key of dask-kubernetes'
+    kubernetes.yaml, and what fiber-dask does with it."""
+    readme = (ADAPTERS / "kubernetes" / "README.md").read_text()
+    table = readme[readme.index("| dask-kubernetes") :]
+    table = table[: table.index("\n\n")]
+    packaged = kubemanifest._dask_kubernetes_defaults()
+    assert packaged, "dask-kubernetes' kubernetes.yaml not found"
+    for key in packaged:
+        assert f"`kubernetes.{key}" in table, key
+    for theirs, ours in kubemanifest.DASK_KUBERNETES_KEYS.items():
+        assert f"| `kubernetes.{theirs}` | `fiber.kubernetes.{ours}`" in table, theirs
+
+
 def test_backend_is_registered() -> None:
     from fiber_dask.backends import load_backend
     from fiber_dask.backends.kubernetes import KubernetesBackend

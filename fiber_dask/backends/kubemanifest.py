@@ -133,15 +133,109 @@ def manifests(cfg: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     return plan(cfg).documents()
 
 
+#: dask-kubernetes' own ``kubernetes.*`` key -> the ``fiber.kubernetes`` key with
+#: the same meaning (adapters/kubernetes/README.md has the whole table).
+DASK_KUBERNETES_KEYS = {
+    "name": "name",
+    "namespace": "namespace",
+    "image": "image",
+    "env": "env",
+    "resources": "resources",
+    "count.start": "n-workers",
+    "scheduler-service-type": "scheduler-service-type",
+    "resource-timeout": "resource-timeout",
+    "custom-cluster-spec": "custom-cluster-spec",
+}
+
+
 def effective_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``cfg`` over fiber-dask's defaults, checked against the schema."""
+    """``cfg`` over fiber-dask's defaults, checked against the schema.
+
+    dask-kubernetes' own settings (``kubernetes.*``: a user's ``kubernetes.yaml``,
+    ``DASK_KUBERNETES__*``) are the defaults beneath ``fiber.kubernetes``: where
+    the ``fiber.kubernetes`` key keeps fiber-dask's default and the user set the
+    dask-kubernetes key (to something other than dask-kubernetes' own default),
+    the user's value is used (see :data:`DASK_KUBERNETES_KEYS`; mappings such as
+    ``env`` merge, the ``fiber`` keys winning).
+    """
     if cfg is None:
-        return config.validate()
-    merged = dask.config.merge(
-        copy.deepcopy(config.defaults["fiber"]), copy.deepcopy(dict(cfg))
-    )
-    with dask.config.set({"fiber": merged}):
-        return config.validate()
+        merged = copy.deepcopy(dask.config.get("fiber"))
+    else:
+        merged = dask.config.merge(
+            copy.deepcopy(config.defaults["fiber"]), copy.deepcopy(dict(cfg))
+        )
+    taken = _take_dask_kubernetes_settings(merged)
+    try:
+        with dask.config.set({"fiber": merged}):
+            return config.validate()
+    except ConfigError as e:
+        if not taken:
+            raise
+        # Name the dask-kubernetes key a bad value came from.
+        problems = []
+        for p in e.problems:
+            for ours, theirs in taken.items():
+                if p.key == ours or p.key.startswith(ours + "."):
+                    where = config._find_source(theirs.split("."), p.value, ())
+                    if where.startswith("set in code"):
+                        where = "dask-kubernetes' config"
+                    p = p._replace(source=f"{theirs} ({where})")
+                    break
+            problems.append(p)
+        raise ConfigError(config._describe_problems(problems), problems) from None
+
+
+def _dask_kubernetes_defaults() -> dict[str, Any]:
+    """dask-kubernetes' packaged ``kubernetes.yaml`` (without importing it)."""
+    import importlib.util
+    import os
+
+    import yaml
+
+    try:
+        spec = importlib.util.find_spec("dask_kubernetes")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, "kubernetes.yaml")
+        try:
+            with open(path) as f:
+                return (yaml.safe_load(f) or {}).get("kubernetes", {})
+        except OSError:
+            continue
+    return {}
+
+
+def _take_dask_kubernetes_settings(fiber: dict[str, Any]) -> dict[str, str]:
+    """Fill ``fiber["kubernetes"]`` from the user's ``kubernetes.*``, in place.
+
+    Returns the ``fiber.kubernetes.*`` keys so filled -> their ``kubernetes.*`` key.
+    """
+    theirs = dask.config.get("kubernetes", default=None)
+    if not isinstance(theirs, Mapping):
+        return {}
+    packaged = _dask_kubernetes_defaults()
+    ours = fiber.setdefault("kubernetes", {})
+    own_defaults = config.defaults["fiber"]["kubernetes"]
+    taken: dict[str, str] = {}
+    for their_key, our_key in DASK_KUBERNETES_KEYS.items():
+        missing = object()
+        value = dask.config.get(their_key, default=missing, config=theirs)
+        if value is missing or value == dask.config.get(
+            their_key, default=missing, config=packaged
+        ):
+            continue  # not the user's: dask-kubernetes' own default
+        current = ours.get(our_key, own_defaults.get(our_key))
+        if isinstance(value, Mapping) and isinstance(current, Mapping):
+            ours[our_key] = dask.config.merge(copy.deepcopy(dict(value)), current)
+        elif current == own_defaults.get(our_key):
+            ours[our_key] = copy.deepcopy(value)
+        else:
+            continue  # fiber.kubernetes says otherwise
+        taken[f"fiber.kubernetes.{our_key}"] = f"kubernetes.{their_key}"
+    return taken
 
 
 def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
@@ -160,8 +254,14 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
     adaptive_cfg = cfg["adaptive"]
     problems: list[Problem] = []
 
+    custom = _custom_cluster_spec(k.get("custom-cluster-spec"), problems)
+    if custom is not None and k.get("name") is None:
+        # dask-kubernetes takes the name from the custom spec too.
+        default_name = custom.get("metadata", {}).get("name") or default_name
     name = _cluster_name(k.get("name"), default_name, problems)
     image = k.get("image")
+    if custom is not None:
+        image = image or _container(custom, "worker").get("image") or "custom"
     if not image:
         problems.append(
             _problem(
@@ -228,19 +328,36 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
         else _resources(k["scheduler-resources"])
     )
 
-    cluster = make_cluster_spec(
-        name=name,
-        image=image,
-        n_workers=n_workers,
-        resources=resources,
-        env=env,
-        worker_command=_worker_command(threads, k.get("dask-resources")),
-        scheduler_service_type=k["scheduler-service-type"],
-    )
-    scheduler = cluster["spec"]["scheduler"]["spec"]["containers"][0]
-    scheduler["args"] = ["dask", "scheduler", "--host", "0.0.0.0"]
-    scheduler["resources"] = sched_resources
-    scheduler["env"] = (env or []) + _scheduler_env(adaptive_cfg)
+    if custom is not None:
+        # The user's own DaskCluster, as dask-kubernetes' custom_cluster_spec: its
+        # pods as written.  fiber-dask sets only the name, the namespace, the
+        # adaptive start size, and adds the scheduler environment it relies on.
+        cluster = custom
+        worker = cluster["spec"]["worker"]
+        if adaptive:
+            worker["replicas"] = n_workers
+        else:
+            n_workers = int(worker.get("replicas", n_workers))
+        threads = _nthreads(_container(cluster, "worker").get("args"), threads)
+        scheduler = _container(cluster, "scheduler")
+        have = {e.get("name") for e in scheduler.get("env") or []}
+        scheduler["env"] = list(scheduler.get("env") or []) + [
+            e for e in _scheduler_env(adaptive_cfg) if e["name"] not in have
+        ]
+    else:
+        cluster = make_cluster_spec(
+            name=name,
+            image=image,
+            n_workers=n_workers,
+            resources=resources,
+            env=env,
+            worker_command=_worker_command(threads, k.get("dask-resources")),
+            scheduler_service_type=k["scheduler-service-type"],
+        )
+        scheduler = cluster["spec"]["scheduler"]["spec"]["containers"][0]
+        scheduler["args"] = ["dask", "scheduler", "--host", "0.0.0.0"]
+        scheduler["resources"] = sched_resources
+        scheduler["env"] = (env or []) + _scheduler_env(adaptive_cfg)
     if groups:
         # The operator's autoscaler resizes the default group only; make the
         # scheduler offer only that group's workers for retirement.
@@ -251,9 +368,13 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
             },
             {"name": _DOWNSCALE_ENV, "value": f"{name}-default-worker-"},
         ]
-    cluster["metadata"] = _metadata(name, k.get("namespace"))
-    # The operator fills in spec.idleTimeout's default (0, never) itself.
-    cluster["spec"].pop("idleTimeout", None)
+    cluster["metadata"] = {
+        **cluster.get("metadata", {}),
+        **_metadata(name, k.get("namespace")),
+    }
+    if custom is None:
+        # The operator fills in spec.idleTimeout's default (0, never) itself.
+        cluster["spec"].pop("idleTimeout", None)
 
     worker_groups = []
     for group in groups:
@@ -299,6 +420,61 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
         adaptive=adaptive,
         threads_per_worker=threads,
     )
+
+
+def _custom_cluster_spec(value: Any, problems: list[Problem]) -> dict | None:
+    """The DaskCluster of ``custom-cluster-spec`` (a mapping or a YAML file)."""
+    if value is None:
+        return None
+    key = "kubernetes.custom-cluster-spec"
+    if isinstance(value, str):
+        import os
+
+        import yaml
+
+        try:
+            with open(os.path.expanduser(value)) as f:
+                value = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:
+            problems.append(
+                _problem(key, value, f"cannot read it: {e}", "a readable YAML file")
+            )
+            return None
+    allowed = (
+        "a DaskCluster resource (kind: DaskCluster, spec: {scheduler: ..., "
+        "worker: ...}), as a mapping or the path of a YAML file"
+    )
+    if (
+        not isinstance(value, Mapping)
+        or value.get("kind", "DaskCluster") != "DaskCluster"
+        or not isinstance(value.get("spec"), Mapping)
+        or not {"scheduler", "worker"} <= set(value["spec"])
+    ):
+        problems.append(_problem(key, value, "not a DaskCluster resource", allowed))
+        return None
+    spec = copy.deepcopy(dict(value))
+    spec.setdefault("apiVersion", API_VERSION)
+    spec.setdefault("kind", "DaskCluster")
+    return spec
+
+
+def _container(cluster: Mapping[str, Any], part: str) -> dict[str, Any]:
+    """The first container of the scheduler's or the default workers' pods."""
+    try:
+        return cluster["spec"][part]["spec"]["containers"][0]
+    except (KeyError, IndexError, TypeError):
+        return {}
+
+
+def _nthreads(args: Any, default: int) -> int:
+    """``--nthreads N`` of a worker command, else ``default``."""
+    args = [str(a) for a in args or []]
+    for i, arg in enumerate(args):
+        if arg == "--nthreads" and i + 1 < len(args) and args[i + 1].isdigit():
+            return int(args[i + 1])
+        if arg.startswith("--nthreads=") and arg.split("=", 1)[1].isdigit():
+            return int(arg.split("=", 1)[1])
+    return default
 
 
 def require_dask_kubernetes() -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 from .. import config
 from ..errors import ClusterConnectionError
 from .base import Backend, ClusterHandle, connect, route_host
-from .kubemanifest import plan, require_dask_kubernetes
+from .kubemanifest import effective_config, plan, require_dask_kubernetes
 
 __all__ = ["KubernetesBackend", "OWNER_ANNOTATION"]
 
@@ -49,7 +49,8 @@ class KubernetesBackend(Backend):
 
     def start(self, *, address: str | None = None) -> ClusterHandle:
         require_dask_kubernetes()
-        cfg = config.validate()
+        # fiber.kubernetes over dask-kubernetes' own kubernetes.* settings
+        cfg = effective_config()
         if cfg["kubernetes"]["attach"]:
             return self._attach(cfg)
         return self._create(cfg)

@@ -3,12 +3,14 @@
 ::
 
     fiber-dask run [--config FILE]... [--backend B] [--address A]
-                   [--swap-multiprocessing] script.py [args...]
-    fiber-dask info [--config FILE]... [--backend B] [--address A] [--json]
+                   [--swap-multiprocessing] [-m] SCRIPT|-|MODULE [args...]
+    fiber-dask info [--config FILE]... [--backend B] [--address A] [--json] [--keep]
     fiber-dask config show [--config FILE]... [--json]
     fiber-dask config validate FILE...
     fiber-dask config init [PATH] [--profile NAME] [--force]
     fiber-dask kubernetes manifest [--config FILE]...
+    fiber-dask up [--config FILE]... [--n-workers N]
+    fiber-dask down
 
 :data:`main` is one click group, registered twice: as the console script
 ``fiber-dask`` and in Dask's ``dask_cli`` entry-point group, where ``dask`` adds it
@@ -28,6 +30,7 @@ from .configcmd import config_group
 from .info import info
 from .kube import kubernetes
 from .run import run
+from .up import down, up
 
 __all__ = ["main", "CLIError"]
 
@@ -65,3 +68,5 @@ main.add_command(run)
 main.add_command(info)
 main.add_command(config_group)
 main.add_command(kubernetes)
+main.add_command(up)
+main.add_command(down)

@@ -132,8 +132,14 @@ def apply_config(
     from .. import config
 
     files = [os.path.abspath(f) for f in config_files]
+    misses = []
     for path in files:
-        load_yaml_mapping(path)
+        misses += [
+            p._replace(source=f"file {path}")
+            for p in config.near_misses(load_yaml_mapping(path))
+        ]
+    if misses:
+        raise CLIError(describe_config_error(config.ConfigError("", misses)))
     if files:
         dask.config.refresh(paths=[*dask.config.paths, *files])
     flags: dict[str, str] = {}

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import pathlib
+import warnings
 from typing import Any
 
 import click
@@ -20,6 +21,15 @@ from ._common import (
 )
 
 DEFAULTS_PROFILE = "defaults"
+
+
+def _adapter_files() -> list[pathlib.Path]:
+    """The profiles of adapters/ (packaged in the wheel, or the checkout's)."""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    for candidate in (package / "adapters", package.parent / "adapters"):
+        if candidate.is_dir():
+            return sorted(candidate.glob("*.yaml"))
+    return []
 
 
 @click.group("config", context_settings=CONTEXT_SETTINGS)
@@ -107,22 +117,28 @@ def _problems_of(path: str) -> str | None:
     from .. import config
 
     try:
-        load_yaml_mapping(path)
+        data = load_yaml_mapping(path)
     except CLIError as e:
         return e.format_message()
+    # A misspelt `fibre:` would otherwise pass: Dask keeps any top-level key.
+    problems = list(config.near_misses(data))
     saved = copy.deepcopy(dask.config.config)
     try:
         # The defaults and this file only: no other YAML, no environment variables.
         dask.config.refresh(paths=[os.path.abspath(path)], env={})
-        config.validate(extra_paths=[os.path.abspath(path)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # near misses: reported as problems
+            config.validate(extra_paths=[os.path.abspath(path)])
     except config.ConfigError as e:
-        # Everything that is not a default came from this file.
-        fixed = type(e)(str(e), [p._replace(source=f"file {path}") for p in e.problems])
-        return f"{path}: {describe_config_error(fixed)}"
+        problems += e.problems
     finally:
         dask.config.config.clear()
         dask.config.config.update(saved)
-    return None
+    if not problems:
+        return None
+    # Everything that is not a default came from this file.
+    problems = [p._replace(source=f"file {path}") for p in problems]
+    return f"{path}: {describe_config_error(config.ConfigError('', problems))}"
 
 
 # ----------------------------------------------------------------------------- init
@@ -136,8 +152,9 @@ def _problems_of(path: str) -> str | None:
     show_default=True,
     metavar="NAME",
     help="What to start from: 'defaults' (every key with its default and a comment) "
-    "or the name of a profile in adapters/ (e.g. local, existing-cluster, "
-    "kubernetes).",
+    "or the name of a profile shipped in adapters/: "
+    + ", ".join(sorted(p.stem for p in _adapter_files()))
+    + ".",
 )
 @click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
 def init(path: str | None, profile: str, force: bool) -> None:
@@ -175,20 +192,9 @@ def profiles() -> dict[str, pathlib.Path]:
     from .. import config
 
     found = {DEFAULTS_PROFILE: pathlib.Path(config.DEFAULTS_PATH)}
-    directory = adapters_dir()
-    if directory is not None:
-        for file in sorted(directory.glob("*.yaml")):
-            found.setdefault(file.stem, file)
+    for file in _adapter_files():
+        found.setdefault(file.stem, file)
     return found
-
-
-def adapters_dir() -> pathlib.Path | None:
-    """``adapters/``: packaged inside fiber_dask, or next to it in a source checkout."""
-    package = pathlib.Path(__file__).resolve().parent.parent
-    for candidate in (package / "adapters", package.parent / "adapters"):
-        if candidate.is_dir():
-            return candidate
-    return None
 
 
 def _profile_text(name: str) -> str:

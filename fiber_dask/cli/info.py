@@ -21,11 +21,18 @@ from ._common import (
 @config_option
 @cluster_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep a cluster started for this command (and its dashboard) running "
+    "until Ctrl-C, instead of closing it at once.",
+)
 def info(
     config_files: tuple[str, ...],
     backend: str | None,
     address: str | None,
     as_json: bool,
+    keep: bool,
 ) -> None:
     """Connect as a program would and describe the cluster.
 
@@ -33,7 +40,9 @@ def info(
     memory, the batch jobs (SLURM, PBS, SGE, LSF, HTCondor: id and state) and the
     dashboard link.  A cluster that fiber-dask starts for this (the embedded one, a
     new Kubernetes cluster, batch jobs) is closed again afterwards (its jobs
-    cancelled); one it attaches to keeps running.
+    cancelled), so its dashboard link is dead once this returns: --keep keeps it
+    until Ctrl-C, and `fiber-dask up` starts a local cluster that stays.  One it
+    attaches to keeps running.
     """
     loaded = apply_config(config_files, backend=backend, address=address)
 
@@ -51,12 +60,35 @@ def info(
         raise CLIError(f"timed out starting or reaching the cluster: {e}") from None
     try:
         data = _describe(handle, loaded.fiber)
+        data["kept"] = bool(keep and data["owned"])
+        if as_json:
+            click.echo(json.dumps(data, indent=2))
+        else:
+            _print(data)
+        if data["kept"]:
+            _wait_for_interrupt()
     finally:
         fiber_dask.shutdown()
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-        return
-    _print(data)
+
+
+def _wait_for_interrupt() -> None:
+    """Say so, then block until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    # Handlers first: a Ctrl-C right after the message must not abort the close.
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        click.echo("keeping the cluster until Ctrl-C (or SIGTERM) ...")
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
@@ -118,11 +150,16 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
 def _print(data: dict[str, Any]) -> None:
     from dask.utils import format_bytes
 
-    owned = (
-        "started for this command, closed again"
-        if data["owned"]
-        else "attached; left running"
-    )
+    if data["owned"]:
+        owned = (
+            "started for this command, kept until Ctrl-C"
+            if data.get("kept")
+            else "started for this command, closed again"
+        )
+    elif data["backend"] == "up":
+        owned = "the cluster of `fiber-dask up`; left running"
+    else:
+        owned = "attached; left running"
     memory = format_bytes(data["memory"]) if data["memory"] else "no limit"
     rows = [
         ("backend", f"{data['backend']} ({owned})"),
@@ -143,6 +180,11 @@ def _print(data: dict[str, Any]) -> None:
         )
         rows.append(("jobs", f"{len(jobs)}" + (f": {listed}" if jobs else "")))
     dashboard = data["dashboard"] or "not served"
+    if data["dashboard"] and data["owned"] and not data.get("kept"):
+        dashboard += (
+            " (closed with the cluster when this command ends: `fiber-dask info "
+            "--keep` keeps it open, `fiber-dask up` starts a cluster that stays)"
+        )
     if data["dashboard_needs_bokeh"]:
         dashboard += " (install bokeh to see it: pip install 'fiber-dask[diagnostics]')"
     rows.append(("dashboard", dashboard))

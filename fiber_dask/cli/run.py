@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import importlib.machinery
 import io
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 import click
 
+from .. import mainguard
 from ._common import (
     CONTEXT_SETTINGS,
     CLIError,
@@ -51,55 +53,150 @@ from ._common import (
         "Default: fiber.run.swap-multiprocessing (false)."
     ),
 )
-@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-m",
+    "as_module",
+    is_flag=True,
+    help="SCRIPT is a module name: run it as `python -m SCRIPT` would.",
+)
+@click.argument("script", metavar="SCRIPT")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(
     config_files: tuple[str, ...],
     backend: str | None,
     address: str | None,
     swap_mp: bool | None,
+    as_module: bool,
     script: str,
     args: tuple[str, ...],
 ) -> None:
     """Run SCRIPT with ARGS as `python SCRIPT ARGS` would, on the cluster.
 
-    The script's exit status is the command's.  Options go before SCRIPT; everything
-    after it is passed to the script (use `--` before SCRIPT if its name starts
-    with '-').
+    SCRIPT is a file, `-` for the script on standard input (as `python -`), or
+    with -m a module (as `python -m`).  The script's exit status is the
+    command's.  Options go before SCRIPT; everything after it is passed to the
+    script (use `--` before SCRIPT if its name starts with '-').
 
     \b
     Examples:
       fiber-dask run train.py --epochs 3
+      fiber-dask run -m mypackage.train --epochs 3
+      cat job.py | fiber-dask run - --epochs 3
       fiber-dask run --config adapters/kubernetes.yaml train.py
       fiber-dask run --address tcp://10.0.0.5:8786 --swap-multiprocessing legacy.py
     """
+    if not as_module and script != "-":
+        # As click.Path(exists=True) would say it: a usage error (status 2).
+        ctx = click.get_current_context()
+        param = next(p for p in ctx.command.params if p.name == "script")
+        script = click.Path(exists=True, dir_okay=False).convert(script, param, ctx)
     loaded = apply_config(config_files, backend=backend, address=address)
     run_config = loaded.fiber.get("run", {})
     if swap_mp is None:
         swap_mp = bool(run_config.get("swap-multiprocessing"))
-    path = os.path.abspath(script)
-    code = _compile(path)
-    module = _main_module(path)
+    if swap_mp and (as_module or script == "-"):
+        what = "-m MODULE" if as_module else "a script from stdin"
+        raise CLIError(
+            f"--swap-multiprocessing does not support {what} yet: the workers "
+            "re-import the script from its file to swap its imports. Save it to a "
+            "file and run `fiber-dask run --swap-multiprocessing FILE`."
+        )
 
-    sys.argv = [script, *args]
-    # python puts the script's directory first on sys.path where it put the console
-    # script's (unless -P / PYTHONSAFEPATH asked for neither).
-    if sys.path and not getattr(sys.flags, "safe_path", False):
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
-
-    if swap_mp:
-        _start_swap(module, path, run_config.get("swap-modules", []))
+    if as_module:
+        code, module, source = _module(script)
+        sys.argv = [module.__file__ or script, *args]
+        if sys.path and not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = os.getcwd()  # as python -m
+    elif script == "-":
+        code, module, source = _stdin()
+        sys.argv = ["-", *args]
+        if sys.path and not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = ""  # as python -
     else:
-        sys.modules["__main__"] = module
-    _execute(code, module)
+        path = os.path.abspath(script)
+        source = _read(path)
+        code = _compile(source, path)
+        module = _main_module(path)
+        sys.argv = [script, *args]
+        # python puts the script's directory first on sys.path where it put the
+        # console script's (unless -P / PYTHONSAFEPATH asked for neither).
+        if sys.path and not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = os.path.dirname(os.path.realpath(path))
+
+    # Workers of the embedded cluster import the script (not one from stdin, which
+    # has no file): without a main guard that must not start the cluster.
+    guard = contextlib.nullcontext()
+    if script != "-" and not mainguard.has_main_guard(source):
+        guard = mainguard.unguarded(code.co_filename)
+    with guard:
+        if swap_mp:
+            _start_swap(module, module.__file__, run_config.get("swap-modules", []))
+        else:
+            sys.modules["__main__"] = module
+        _execute(code, module)
 
 
-def _compile(path: str) -> types.CodeType:
+def _read(path: str) -> bytes:
     try:
         with io.open_code(path) as f:
-            source = f.read()
+            return f.read()
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _stdin() -> tuple[types.CodeType, types.ModuleType, bytes]:
+    """The script on standard input, as ``python -`` runs it.
+
+    Unlike python, ``__file__`` is not set: multiprocessing's spawn method would
+    make every worker process of the embedded cluster import a file named
+    ``<stdin>``, which does not exist.  Without it the workers import no main
+    module, and the script's functions travel by value (cloudpickle).
+    """
+    source = sys.stdin.buffer.read()
+    module = types.ModuleType("__main__")
+    module.__loader__ = None  # type: ignore[assignment]
+    module.__package__ = None
+    module.__spec__ = None
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    return _compile(source, "<stdin>"), module, source
+
+
+def _module(name: str) -> tuple[types.CodeType, types.ModuleType, bytes]:
+    """The module ``name`` (a package: its ``__main__``), as ``python -m`` finds it.
+
+    Its ``__spec__`` names the module, so spawned workers import it by name (as
+    ``__mp_main__``), as with ``python -m`` and the stdlib's spawn method.
+    """
+    import runpy
+
+    sys.path.insert(0, os.getcwd())  # python -m finds modules in the cwd
+    try:
+        mod_name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
+    except ImportError as e:
+        # python -m's own words: "No module named ...", "... is a package and
+        # cannot be directly executed", "Relative module names not supported".
+        raise CLIError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - runpy's _Error, or the import's error
+        if type(e).__name__ == "_Error":
+            raise CLIError(str(e)) from None
+        raise
+    finally:
+        sys.path.pop(0)
+    module = types.ModuleType("__main__")
+    module.__file__ = spec.origin
+    module.__cached__ = spec.cached  # type: ignore[attr-defined]
+    module.__loader__ = spec.loader
+    module.__package__ = spec.parent
+    module.__spec__ = spec
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    try:
+        source = spec.loader.get_source(mod_name) or b""
+    except Exception:  # noqa: BLE001 - no source (a .pyc): assume a guard
+        source = b"if __name__ == '__main__': pass"
+    return code, module, source if isinstance(source, bytes) else source.encode()
+
+
+def _compile(source: bytes, path: str) -> types.CodeType:
     try:
         return compile(source, path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
@@ -150,6 +247,8 @@ def _start_swap(module: types.ModuleType, path: str, extra: list[str]) -> None:
         raise CLIError(str(e)) from None
     except (ConfigError, OSError, TimeoutError) as e:
         raise CLIError(f"cannot start or reach the cluster: {e}") from None
+    except mainguard.MainGuardError as e:
+        raise CLIError(str(e)) from None
     except RuntimeError as e:
         # Typically a worker process that failed while importing the script.
         raise CLIError(
@@ -183,6 +282,8 @@ def _execute(code: types.CodeType, module: types.ModuleType) -> None:
         _exec(code, module.__dict__)
     except SystemExit:
         raise
+    except mainguard.MainGuardError as e:
+        raise CLIError(str(e)) from None
     except BaseException as e:  # noqa: BLE001 - everything python would print
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code is not _exec.__code__:
