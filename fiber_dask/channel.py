@@ -44,7 +44,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from . import tls
+from . import security, tls
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def dial(
     read and the TLS handshake done; ``where`` names the server in errors,
     see :func:`fiber_dask.tls.connect`), else a plain ``Connection``.  A
     failed TCP connect raises ``unreachable(e)`` from ``e``."""
-    context = tls.client_context()
+    context = security.client_context()
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
@@ -345,7 +345,7 @@ def get_server(host: str, authkey: bytes, client: Any = None) -> ChannelServer:
     """This process's channel server on ``host``, started on first use; TLS
     if this process's cluster (or ``client``'s, for an object made for that
     client's cluster) uses TLS (see :mod:`fiber_dask.tls`)."""
-    context = tls.server_context(client)
+    context = security.server_context(client)
     key = (host, authkey, id(context) if context is not None else None)
     with _server_lock:
         server = _servers.get(key)

@@ -25,7 +25,7 @@ fiber-dask changes where things live and how they are reached:
   local processes.
 * **TLS when the cluster uses it**: the server process listens in the mode
   (and with the certificate) of the process that started it; see
-  :mod:`fiber_dask.tls`.
+  :mod:`fiber_dask.security`.
 * :class:`AsyncManager` (from Fiber): proxy calls return results to collect
   later, so one controller can drive hundreds of remote objects.
 
@@ -212,11 +212,11 @@ def _server_init(
     mode for the listener, watch the owner, then the user's initializer."""
     import dask.config
 
-    from . import tls
+    from . import security
 
     if settings:
         dask.config.set(settings)
-    tls.pin(tls_settings, "the process that started the manager")
+    security.pin(tls_settings, "the process that started the manager")
     _watch_parent(os.getppid())
     if initializer is not None:
         initializer(*initargs)
@@ -235,7 +235,7 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     """Config for the server process so that ``manager.Pool()`` attaches to
     this process's cluster instead of starting one of its own (with this
     process's certificate when the cluster uses TLS)."""
-    from . import cluster, tls
+    from . import cluster, security
 
     handle = cluster._handle
     if handle is None:
@@ -247,7 +247,7 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     settings = {"fiber.backend": "address", "fiber.address": address}
     if handle.listen_host:
         settings["fiber.listen-host"] = handle.listen_host
-    settings.update(tls.dask_config(tls_settings))
+    settings.update(security.dask_config(tls_settings))
     return settings
 
 
@@ -293,9 +293,9 @@ class BaseManager(_std.BaseManager):
             raise TypeError("initializer must be a callable")
         if self._state.value == State.INITIAL and self._address is None:
             self._address = (_manager_host(), 0)
-        from . import tls
+        from . import security
 
-        tls_settings = tls.export()  # the server listens as this process connects
+        tls_settings = security.export()  # the server listens as this process connects
         super().start(
             _server_init,
             (

@@ -55,7 +55,7 @@ import weakref
 from multiprocessing.process import BaseProcess, current_process, parent_process
 from typing import Any
 
-from . import channel, cluster
+from . import channel, cluster, security
 
 __all__ = [
     "Process",
@@ -83,11 +83,6 @@ def _cleanup() -> None:
         popen = p._popen
         if popen is None or popen.poll() is not None:
             _children.discard(p)
-
-
-def _authkey() -> bytes:
-    """The channel key: this process's multiprocessing authkey (as Pool uses)."""
-    return bytes(current_process().authkey)
 
 
 class Process(BaseProcess):
@@ -237,7 +232,7 @@ class _Launch:
         token = uuid.uuid4().hex
         self._service = f"process-{token}"
         self._server = channel.get_server(
-            handle.listen_host or "127.0.0.1", _authkey(), handle.client
+            handle.listen_host or "127.0.0.1", security.authkey(), handle.client
         )
         self._server.register(self._service, self._on_connect)
         self._future: Any = None

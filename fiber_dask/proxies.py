@@ -40,7 +40,7 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from multiprocessing import connection, managers
 from typing import Any
 
-from . import tls
+from . import security, tls
 from .channel import _HANDSHAKE_TIMEOUT, _tune, dial
 from .errors import ManagerConnectionError
 
@@ -121,7 +121,7 @@ class _Listener(connection.Listener):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._context = (
-            tls.server_context() if isinstance(self.address, tuple) else None
+            security.server_context() if isinstance(self.address, tuple) else None
         )
 
     def accept(self) -> Any:
@@ -295,9 +295,7 @@ def _auto(
     if authkey is None and manager is not None:
         authkey = manager._authkey
     if authkey is None:
-        from multiprocessing import current_process
-
-        authkey = current_process().authkey
+        authkey = security.authkey()
     if exposed is None:
         conn = client(token.address, authkey=authkey)
         try:

@@ -8,7 +8,7 @@ The cross-host tests (``test_crosshost.py``, TLS variant) check the same on
 real hosts, with a capture at the switch.
 
 Certificates are Dask's ``Security.temporary()`` (made in memory); the
-process's mode is pinned with ``tls.pin`` for a test and restored after.
+process's mode is pinned with ``security.pin`` for a test and restored after.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pytest
 from distributed.security import Security
 
 from fiber_dask import channel, objserver, tls
+from fiber_dask import security as fiber_security
 from fiber_dask.errors import TLSConnectionError
 
 pytestmark = pytest.mark.timeout(90)
@@ -58,11 +59,11 @@ def pinned(security):
     default = _settings(security)
 
     def pin(settings=default):
-        tls.pin(settings, "the test")
+        fiber_security.pin(settings, "the test")
 
     pin()
     yield pin
-    tls._pinned = tls._UNSET
+    fiber_security._pinned = fiber_security._UNSET
     with channel._server_lock:
         for key in set(channel._servers) - servers_before:
             channel._servers.pop(key).close()
@@ -498,18 +499,18 @@ def test_manager_speaks_tls_in_its_owners_mode(pinned, security, use_tls):
 
 
 def _square_and_mode(x):
-    from fiber_dask import tls
+    from fiber_dask import security as fiber_security
 
-    security, role, source = tls.mode()
+    security, role, source = fiber_security.mode()
     return x * x, security is not None, source
 
 
 def _exit_with_mode():
     import sys
 
-    from fiber_dask import tls
+    from fiber_dask import security
 
-    sys.exit(7 if tls.mode()[0] is not None else 3)
+    sys.exit(7 if security.mode()[0] is not None else 3)
 
 
 def test_pool_and_process_on_a_tls_cluster_speak_tls_with_its_workers():
