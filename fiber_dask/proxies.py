@@ -41,7 +41,7 @@ from multiprocessing import connection, managers
 from typing import Any
 
 from . import security, tls
-from .channel import _HANDSHAKE_TIMEOUT, _tune, dial
+from .channel import HANDSHAKE_TIMEOUT, dial, tune
 from .errors import ManagerConnectionError
 
 __all__ = [
@@ -132,7 +132,7 @@ class _Listener(connection.Listener):
         try:
             sock = socket.socket(fileno=c.fileno())
             try:
-                _tune(sock)
+                tune(sock)
             finally:
                 sock.detach()
         except OSError:
@@ -146,11 +146,11 @@ class _Listener(connection.Listener):
         sock, listener._last_accepted = listener._socket.accept()
         try:
             sock.setblocking(True)
-            _tune(sock)
+            tune(sock)
         except OSError:
             sock.close()
             raise
-        return tls.TLSConnection.server(sock, self._context, lazy=_HANDSHAKE_TIMEOUT)
+        return tls.TLSConnection.server(sock, self._context, lazy=HANDSHAKE_TIMEOUT)
 
 
 class _XmlClientWrap(connection.ConnectionWrapper):

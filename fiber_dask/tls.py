@@ -144,11 +144,16 @@ class TLSConnection:
         self, sock: socket.socket, context: ssl.SSLContext, server_side: bool
     ) -> None:
         _ssl()
+        inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
+        sslobj = context.wrap_bio(inbio, outbio, server_side=server_side)
+        self._setup(sock, sslobj, inbio, outbio)
+
+    def _setup(self, sock: socket.socket, sslobj: Any, inbio: Any, outbio: Any) -> None:
         self._sock = sock
         self._fd = sock.fileno()
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self._ssl = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self._in = inbio
+        self._out = outbio
+        self._ssl = sslobj
         self._ssl_lock = threading.Lock()  # the SSL object and its buffers
         self._send_lock = threading.Lock()  # one writer at a time, records in order
         self._recv_lock = threading.Lock()  # one reader at a time
@@ -171,6 +176,25 @@ class TLSConnection:
         else call :meth:`handshake`."""
         conn = cls(sock, context, server_side=True)
         conn._lazy = lazy
+        return conn
+
+    @classmethod
+    def adopt(
+        cls,
+        sock: socket.socket,
+        sslobj: Any,
+        inbio: Any,
+        outbio: Any,
+        head: bytes = b"",
+        left: int = 0,
+    ) -> TLSConnection:
+        """A connection whose TLS handshake was run elsewhere (by
+        :mod:`fiber_dask.gate`) on ``sslobj`` over these memory buffers;
+        ``head``/``left``: the part of a record header read so far and the
+        bytes of the current record still on the socket."""
+        conn = cls.__new__(cls)
+        conn._setup(sock, sslobj, inbio, outbio)
+        conn._head, conn._left = head, left
         return conn
 
     def __repr__(self) -> str:
