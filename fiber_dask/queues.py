@@ -358,6 +358,10 @@ class Queue:
             return pickle.loads(target.get(block, timeout))
         with self._get_lock:
             if not self._buffer:
+                if self._feeder is not None:
+                    # This process's own puts first: a get would otherwise
+                    # hold the connection while they wait behind it.
+                    self._feeder.flush()
                 # A consumer that comes back within 2 ms is draining the queue
                 # in a loop: lease it a few items per round trip.  A slow one
                 # takes one at a time, so items never wait behind its work.
