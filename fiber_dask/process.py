@@ -33,21 +33,19 @@ How a Process runs::
 
 The launcher secedes from the worker's thread pool once the child runs, so a
 running Process does not hold a task slot (as stdlib processes oversubscribe
-the CPUs); ``resources=`` stay reserved until it ends.
+the CPUs); ``resources=`` stay reserved until it ends.  This module is the
+parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launcher`.
 """
 
 from __future__ import annotations
 
 import atexit
 import codecs
-import json
 import logging
 import os
 import pickle
 import random
 import signal
-import struct
-import subprocess
 import sys
 import threading
 import uuid
@@ -55,21 +53,19 @@ import weakref
 from multiprocessing.process import BaseProcess, current_process, parent_process
 from typing import Any
 
-from . import channel, cluster, security
+from . import channel, cluster, launcher, security
 
 __all__ = [
     "Process",
     "current_process",
     "parent_process",
     "active_children",
-    "run_launcher",
 ]
 
 logger = logging.getLogger(__name__)
 
 _children: set = set()  # started fiber Processes of this process, not yet reaped
 _SLOT_WAIT = 0.5  # seconds a queued launcher task waits before launching beside tasks
-_PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
 
 
 def active_children() -> list:
@@ -238,7 +234,7 @@ class _Launch:
         self._future: Any = None
         try:
             self._future = handle.client.submit(
-                run_launcher,
+                launcher.run_launcher,
                 self._server.address,
                 self._server.authkey,
                 self._service,
@@ -404,7 +400,7 @@ class _Launch:
                 return  # none fits now: the queued task waits for scaling
             target = random.choice(fits)
             handle.client.run(
-                _launch_beside_tasks,
+                launcher.launch_beside_tasks,
                 self._server.address,
                 self._server.authkey,
                 self._service,
@@ -446,10 +442,13 @@ class _Launch:
         except Exception:  # the client may be closing
             result = None
         why = "its launcher task ended without starting it"
-        if isinstance(result, str) and result.startswith("unreachable: "):
+        if (
+            isinstance(result, launcher.LaunchResult)
+            and result.outcome is launcher.Outcome.UNREACHABLE
+        ):
             why = (
                 "its launcher could not connect back to this process from its "
-                f"worker: {result[len('unreachable: ') :]}"
+                f"worker: {result.detail}"
             )
         with self._lock:
             if self._claimed or self.returncode is not None:
@@ -511,204 +510,6 @@ def _close_fds(fds: dict, *which: str) -> None:
                 os.close(fd)
             except OSError:
                 pass
-
-
-# ------------------------------------------------------------------- the launcher
-
-
-def run_launcher(
-    address: tuple[str, int], authkey: bytes, service: str, worker: Any = None
-) -> str:
-    """Body of a Process's Dask task: start the child and relay for it.
-
-    Returns why it ended: ``"exited"``, ``"refused"`` (another launcher already
-    ran this Process, or its parent is gone), ``"parent-lost"``, or
-    ``"unreachable: <error>"`` (the parent's address cannot be reached from
-    this worker; the parent puts it in :attr:`Process.reason`).
-    """
-    try:
-        if worker is None:
-            from distributed import get_worker
-
-            worker = get_worker()
-        worker_address = worker.address
-        scheduler_address = worker.scheduler.address
-        security = getattr(worker, "security", None)
-    except (ImportError, ValueError):
-        worker_address = scheduler_address = security = None
-    try:
-        conn = channel.connect(
-            address,
-            authkey,
-            service,
-            hello={"pid": os.getpid(), "worker": worker_address},
-        )
-    except channel.ChannelError as e:
-        if isinstance(e.__cause__, OSError):
-            return f"unreachable: {e}"  # the parent's address, from this host
-        return "refused"
-    except OSError as e:
-        return f"unreachable: {e}"
-    try:
-        try:
-            kind, payload = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return "refused"
-        assert kind == "payload"
-        _secede()
-        return _launch(conn, payload, worker_address, scheduler_address, security)
-    finally:
-        channel.hangup(conn)
-
-
-def _launch_beside_tasks(address, authkey, service, dask_worker=None) -> None:
-    """Run a launcher in a thread of this worker process, outside its task
-    slots (``client.run`` calls this on the worker's event loop: return at once)."""
-    threading.Thread(
-        target=run_launcher,
-        args=(address, authkey, service, dask_worker),
-        name="fiber-process-launcher",
-        daemon=True,
-    ).start()
-
-
-def _secede() -> None:
-    """Give the worker thread back: the child, not this task, does the work."""
-    try:
-        from distributed import secede
-
-        secede()
-    except Exception:  # not inside a Dask task (tests), or an old distributed
-        pass
-
-
-def _child_env(
-    worker_address: str | None, scheduler_address: str | None, security: Any = None
-) -> dict:
-    env = dict(os.environ)
-    env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
-    # The worker's import path (a spawned worker has its parent's, the script's
-    # directory included), as the stdlib hands sys.path to its children.
-    env["FIBER_DASK_SYS_PATH"] = json.dumps(sys.path)
-    if scheduler_address:
-        # Nested Pool/Process/Queue in the child attach to this same cluster,
-        # whatever backend the parent's configuration names.
-        env["DASK_SCHEDULER_ADDRESS"] = scheduler_address
-        env["DASK_FIBER__BACKEND"] = "address"
-        env["DASK_FIBER__ADDRESS"] = scheduler_address
-    if worker_address:
-        from distributed.comm import get_address_host
-
-        env["DASK_FIBER__LISTEN_HOST"] = get_address_host(worker_address)
-    env.update(_security_env(security))
-    return env
-
-
-def _security_env(security: Any) -> dict:
-    """Dask config (as environment) that lets the child connect to the
-    scheduler as its worker does: a worker started with ``--tls-*`` options
-    has its certificates in its Security object, not in its config, so a
-    child attaching over ``tls://`` would have no TLS context without this."""
-    if security is None or not (security.require_encryption or security.tls_ca_file):
-        return {}
-    prefix = "DASK_DISTRIBUTED__COMM__"
-    env = {f"{prefix}REQUIRE_ENCRYPTION": str(bool(security.require_encryption))}
-    values = {
-        "TLS__CA_FILE": security.tls_ca_file,
-        "TLS__CIPHERS": security.tls_ciphers,
-        # The child is a client of the scheduler; a worker's own certificate
-        # serves when no client certificate was given.
-        "TLS__CLIENT__CERT": security.tls_client_cert or security.tls_worker_cert,
-        "TLS__CLIENT__KEY": security.tls_client_key or security.tls_worker_key,
-    }
-    for key, value in values.items():
-        if value:
-            env[prefix + key] = value
-    return env
-
-
-def _launch(
-    conn: Any, payload: bytes, worker_address, scheduler_address, security=None
-) -> str:
-    send_lock = threading.Lock()
-
-    def send(msg: tuple) -> bool:
-        with send_lock:
-            try:
-                conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-                return True
-            except OSError:
-                return False
-
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "fiber_dask.processchild"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=_child_env(worker_address, scheduler_address, security),
-            close_fds=True,
-        )
-    except OSError as e:
-        send(("error", f"cannot start the child process on {worker_address}: {e}"))
-        return "failed"
-    send(("started", child.pid))
-    try:
-        child.stdin.write(struct.pack("!Q", len(payload)) + payload)
-        child.stdin.flush()
-    except OSError:
-        pass  # the child died already; its exit status tells why
-    del payload
-
-    state = {"exited": False, "parent_lost": False}
-
-    def pump(stream: Any, kind: str) -> None:
-        fd = stream.fileno()
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            send((kind, data))
-
-    def control() -> None:
-        while True:
-            try:
-                kind, arg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError, pickle.UnpicklingError, ValueError):
-                if not state["exited"]:
-                    state["parent_lost"] = True
-                    try:
-                        child.kill()  # the parent is gone: so is its child
-                    except OSError:
-                        pass
-                return
-            if kind == "signal":
-                try:
-                    child.send_signal(arg)  # no-op once the child is reaped
-                except OSError:
-                    pass
-
-    pumps = [
-        threading.Thread(target=pump, args=(child.stdout, "out"), daemon=True),
-        threading.Thread(target=pump, args=(child.stderr, "err"), daemon=True),
-    ]
-    for t in pumps:
-        t.start()
-    threading.Thread(target=control, name="fiber-process-control", daemon=True).start()
-    returncode = child.wait()
-    for t in pumps:  # a grandchild may hold the pipes open: do not wait forever
-        t.join(_PIPE_DRAIN)
-    state["exited"] = True
-    send(("exit", returncode))
-    for f in (child.stdin, child.stdout, child.stderr):
-        try:
-            f.close()
-        except OSError:
-            pass
-    return "parent-lost" if state["parent_lost"] else "exited"
 
 
 # ----------------------------------------------------------------- at exit
