@@ -48,6 +48,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import uuid
 import weakref
 from multiprocessing.process import BaseProcess, current_process, parent_process
@@ -154,6 +155,7 @@ class Process(BaseProcess):
         handle = cluster.get_handle(
             client=self._fiber_client, address=self._fiber_address
         )
+        _require_scheduler(handle.client)
         resources = self._resources
         if resources is None:  # @fiber_dask.meta(...) on the target or run()
             from .meta import resources_of
@@ -232,6 +234,8 @@ class _Launch:
         )
         self._server.register(self._service, self._on_connect)
         self._future: Any = None
+        self._client = handle.client
+        self._started_at = time.monotonic()
         try:
             self._future = handle.client.submit(
                 launcher.run_launcher,
@@ -315,10 +319,8 @@ class _Launch:
                 return
             self._server.unregister(self._service)
             if self._future is not None and self._future.status == "pending":
-                try:  # launched beside tasks: the queued task is not needed
-                    self._future.cancel()
-                except Exception:
-                    pass
+                # Launched beside tasks: the queued task is not needed.
+                _cancel_quietly(self._client, self._future)
             hello = hello or {}
             self.worker = hello.get("worker")
             self.worker_pid = hello.get("pid")
@@ -384,6 +386,9 @@ class _Launch:
         takes only the first launcher, so the two can never both start it."""
         if self._claimed or self.returncode is not None:
             return
+        if getattr(handle.client, "status", "running") != "running":
+            self._watch_scheduler(handle.client)
+            return
         try:
             if self._future.status != "pending":
                 return
@@ -409,6 +414,29 @@ class _Launch:
         except Exception:  # the client may be closing: the task path remains
             logger.debug("fiber-dask: could not launch beside tasks", exc_info=True)
 
+    def _watch_scheduler(self, client: Any) -> None:
+        """The client lost its scheduler before a launcher connected: wait
+        for it to come back until ``fiber.connect-timeout`` after start(),
+        else end the Process saying so (Dask itself would cancel the task
+        only when its own reconnect gives up)."""
+        timeout = _connect_timeout()
+        deadline = self._started_at + timeout
+        while time.monotonic() < deadline:
+            if self._claimed or self.returncode is not None:
+                return
+            if client.status == "running":
+                return
+            time.sleep(0.05)
+        with self._lock:
+            if self._claimed or self.returncode is not None:
+                return
+            self._finish_locked(
+                -signal.SIGKILL,
+                f"process {self.name!r} could not start: "
+                + _lost_scheduler(client, timeout),
+            )
+        self._release()
+
     def _on_future_done(self, fut: Any) -> None:
         """The launcher task ended (runs in the client's event loop: no blocking).
 
@@ -427,6 +455,8 @@ class _Launch:
             if status == "error":
                 exc = getattr(getattr(fut, "_state", None), "exception", None)
                 why = f"its launcher task failed: {exc!r}"
+            elif status == "cancelled" and self._client.status != "running":
+                why = _lost_scheduler(self._client, _connect_timeout())
             elif status == "cancelled":
                 why = "its launcher task was cancelled"
             else:
@@ -476,10 +506,66 @@ class _Launch:
         self._server.unregister(self._service)
         fut, self._future = self._future, None
         if fut is not None:
-            try:
-                fut.cancel()
-            except Exception:  # the client may be closing at exit
-                pass
+            _cancel_quietly(self._client, fut)
+
+
+def _cancel_quietly(client: Any, fut: Any) -> None:
+    """Cancel ``fut`` without waiting: ``Future.cancel`` waits for the event
+    loop, forever if it has stopped (at exit) or its scheduler is gone."""
+    try:
+        if client.status in ("closing", "closed"):
+            return  # nothing to cancel with: the scheduler forgets it
+        client.loop.add_callback(client._cancel, [fut])
+    except Exception:  # a closed loop: nothing is running the task for us
+        pass
+
+
+def _connect_timeout() -> float:
+    from . import config
+
+    try:
+        return config.timedelta("connect-timeout")
+    except Exception:  # an old or broken config must not break a Process
+        return 10.0
+
+
+def _scheduler_address(client: Any) -> str:
+    try:
+        return client.scheduler.address or "?"
+    except Exception:
+        return str(getattr(client, "_start_arg", None) or "?")
+
+
+def _lost_scheduler(client: Any, timeout: float) -> str:
+    return (
+        f"the Dask scheduler at {_scheduler_address(client)} is unreachable: this "
+        f"process lost its connection to it and did not get it back within "
+        f"fiber.connect-timeout={timeout:g}s (client status {client.status!r}). "
+        "Start the scheduler again (or attach to a running one) and retry."
+    )
+
+
+def _require_scheduler(client: Any) -> None:
+    """Raise :class:`~fiber_dask.errors.ClusterConnectionError` unless
+    ``client`` is connected to its scheduler, or reconnects within
+    ``fiber.connect-timeout``: a Process started after its scheduler was lost
+    fails at once, saying so, instead of ending with an unexplained
+    ``exitcode == -9`` when Dask gives the task up."""
+    status = getattr(client, "status", "running")
+    if status == "running":
+        return
+    timeout = _connect_timeout()
+    deadline = time.monotonic() + timeout
+    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = client.status
+    if status == "running":
+        return
+    from .errors import ClusterConnectionError
+
+    raise ClusterConnectionError(
+        "cannot start a fiber-dask Process: " + _lost_scheduler(client, timeout)
+    )
 
 
 def _when_done(client: Any, fut: Any, callback: Any) -> None:
@@ -515,24 +601,62 @@ def _close_fds(fds: dict, *which: str) -> None:
 # ----------------------------------------------------------------- at exit
 
 
+_DAEMON_GRACE = 5.0  # seconds a daemonic child gets after SIGTERM at exit
+
+
 def _exit_function() -> None:
-    """As the stdlib at exit: terminate daemonic children, join the others.
+    """As the stdlib at exit: terminate daemonic children, join the others;
+    but never without a deadline where the stdlib would hang.
+
+    A daemonic child that ignores SIGTERM is killed after ``_DAEMON_GRACE``
+    s.  A Process still waiting for its launcher while the client has lost
+    its scheduler is given up after ``fiber.connect-timeout``.  A running
+    non-daemonic child is waited for, as the stdlib does (its launcher's
+    connection ends the wait if its worker or host dies).
 
     Registered after ``cluster.shutdown`` (imported above), so it runs before
     the cluster fiber-dask started is closed.
     """
-    for p in active_children():
+    children = active_children()
+    for p in children:
         if p.daemon:
             try:
                 p._popen.terminate()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
+    for p in children:
+        if p.daemon:
+            try:
+                if p._popen.wait(_DAEMON_GRACE) is None:
+                    p._popen.kill()
+            except Exception:  # noqa: BLE001
+                pass
     for p in active_children():
         try:
-            p._popen.wait()
+            _wait_at_exit(p._popen)
         except Exception:  # noqa: BLE001
             pass
     _cleanup()
+
+
+def _wait_at_exit(popen: _Launch) -> None:
+    lost_since = None
+    while popen.wait(0.5) is None:
+        if popen._conn is not None:
+            continue  # running: wait for it, as the stdlib does
+        if popen._client.status == "running":
+            lost_since = None
+            continue
+        now = time.monotonic()
+        lost_since = lost_since or now
+        timeout = _connect_timeout()
+        if now - lost_since > timeout:
+            popen._finish(
+                -signal.SIGKILL,
+                f"process {popen.name!r} never started: "
+                + _lost_scheduler(popen._client, timeout),
+            )
+            return
 
 
 atexit.register(_exit_function)
