@@ -177,7 +177,9 @@ class ChannelServer:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._closed = False
         self._gate = gate.get_gate()
-        self._gate.listen(self._sock, self._serve_handshake, self._on_ready, context)
+        self._gate.listen(
+            self._sock, self._serve_handshake, self._on_ready, context, tune
+        )
 
     def __repr__(self) -> str:
         tls_ = " tls" if self.context is not None else ""

@@ -113,13 +113,14 @@ def recv_frame(maxlength: int = SMALL_FRAME) -> Handshake:
 
 
 class _Listener:
-    __slots__ = ("sock", "handshake", "on_ready", "context", "paused_until")
+    __slots__ = ("sock", "handshake", "on_ready", "context", "tune", "paused_until")
 
-    def __init__(self, sock, handshake, on_ready, context) -> None:
+    def __init__(self, sock, handshake, on_ready, context, tune) -> None:
         self.sock = sock
         self.handshake = handshake
         self.on_ready = on_ready
         self.context = context
+        self.tune = tune
         self.paused_until = 0.0
 
 
@@ -241,13 +242,16 @@ class Gate:
         handshake: Callable[[], Handshake],
         on_ready: Callable[[Any, Any], None],
         context: Any = None,
+        tune: Callable[[socket.socket], None] | None = None,
     ) -> None:
         """Accept connections on the listening ``sock``: each runs
         ``handshake()`` (inside TLS with ``context``), then
         ``on_ready(connection, result)`` in a new thread, the connection a
-        blocking ``Connection`` or :class:`~fiber_dask.tls.TLSConnection`."""
+        blocking ``Connection`` or :class:`~fiber_dask.tls.TLSConnection`.
+        ``tune(sock)`` sets the options of each accepted TCP socket."""
         sock.setblocking(False)
-        self._command(("listen", _Listener(sock, handshake, on_ready, context)))
+        listener = _Listener(sock, handshake, on_ready, context, tune)
+        self._command(("listen", listener))
 
     def forget(self, sock: socket.socket) -> None:
         """Stop accepting on ``sock`` (before it is closed)."""
@@ -364,10 +368,8 @@ class Gate:
             )
         try:
             sock.setblocking(False)
-            from .channel import tune
-
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                tune(sock)
+            if listener.tune is not None and sock.family != socket.AF_UNIX:
+                listener.tune(sock)
         except OSError:
             sock.close()
             return
@@ -380,10 +382,7 @@ class Gate:
         self._sel.register(sock, p.events, p)
         try:
             if listener.context is not None:
-                tls._ssl()
-                p.inbio = tls.ssl.MemoryBIO()
-                p.outbio = tls.ssl.MemoryBIO()
-                p.ssl = listener.context.wrap_bio(p.inbio, p.outbio, server_side=True)
+                p.ssl, p.inbio, p.outbio = tls.server_object(listener.context)
                 p.tls_phase = 1
                 self._send(p, frame(tls.HELLO))
             else:
@@ -434,7 +433,8 @@ class Gate:
             self._reject(p, _why(e))
 
     def _tls_handshake(self, p: _Pending) -> None:
-        ssl = tls.ssl
+        import ssl
+
         while True:
             if not self._pull(p):
                 return
@@ -456,19 +456,14 @@ class Gate:
         object, never past the record's end; False if none are there."""
         try:
             if p.rec_left == 0:
-                data = p.sock.recv(tls._RECORD_HEADER - len(p.rec_head))
+                data = p.sock.recv(tls.RECORD_HEADER - len(p.rec_head))
                 if not data:
                     raise EOFError("the peer closed the connection")
                 p.rec_head += data
-                if len(p.rec_head) < tls._RECORD_HEADER:
+                if len(p.rec_head) < tls.RECORD_HEADER:
                     return True
                 head, p.rec_head = p.rec_head, b""
-                length = int.from_bytes(head[3:5], "big")
-                if head[0] not in tls._CONTENT_TYPES or length > tls._RECORD_MAX:
-                    raise AuthenticationError(
-                        f"the peer did not send TLS (got {head!r})"
-                    )
-                p.rec_left = length
+                p.rec_left = tls.record_length(head)
                 p.inbio.write(head)
                 return True
             data = p.sock.recv(min(p.rec_left, 65536))
@@ -486,7 +481,8 @@ class Gate:
         while len(p.buf) < p.want:
             need = p.want - len(p.buf)
             if p.tls_phase == 2:
-                ssl = tls.ssl
+                import ssl
+
                 try:
                     data = p.ssl.read(need)
                 except ssl.SSLWantReadError:

@@ -109,7 +109,7 @@ class Server(_std.Server):
         sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
         if sock is None:  # not a socket listener: the stdlib's own loop
             return super().accepter()
-        from . import gate
+        from . import channel, gate
 
         authkey = bytes(self.authkey)
         gate.get_gate().listen(
@@ -117,6 +117,7 @@ class Server(_std.Server):
             lambda: _server_handshake(authkey),
             self._authenticated,
             getattr(self.listener, "_context", None),
+            channel.tune,
         )
 
     def _authenticated(self, conn: Any, _result: Any) -> None:

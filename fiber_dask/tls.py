@@ -63,7 +63,9 @@ __all__ = [
     "is_hello",
     "message_view",
     "receive_into",
+    "record_length",
     "required_error",
+    "server_object",
 ]
 
 #: The clear-text frame a TLS endpoint sends before its handshake.  Short
@@ -75,12 +77,33 @@ HELLO = (
 _HELLO_TAG = b"#FIBER-TLS#"
 _CHALLENGE_TAG = b"CHALLENGE#"  # the end of fiber-dask's and the stdlib's tags
 
-_RECORD_HEADER = 5
+RECORD_HEADER = 5  # bytes of a TLS record's header
 _RECORD_MAX = 16384 + 2048  # the largest TLS record body (TLS 1.2 ciphertext)
 _PLAIN_MAX = 16384  # the most plaintext one record holds
 _CONTENT_TYPES = (20, 21, 22, 23, 24)
 _WRITE_CHUNK = 256 * 1024  # plaintext encrypted and sent at a time
 _SMALL = 16384  # messages up to this size go in one write with their header
+
+
+def record_length(head: bytes) -> int:
+    """The body length of the TLS record whose 5-byte header is ``head``;
+    ``ssl.SSLError`` if it is not a TLS record header."""
+    _ssl()
+    length = int.from_bytes(head[3:5], "big")
+    if head[0] not in _CONTENT_TYPES or length > _RECORD_MAX:
+        raise ssl.SSLError(
+            f"the peer did not send TLS (got {head!r}): is it configured for TLS?"
+        )
+    return length
+
+
+def server_object(context: Any) -> tuple[Any, Any, Any]:
+    """``(sslobj, incoming, outgoing)``: the server end of a TLS connection
+    over two memory buffers, for a caller that moves the bytes itself (the
+    handshake gate; then :meth:`TLSConnection.adopt`)."""
+    _ssl()
+    inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
+    return context.wrap_bio(inbio, outbio, server_side=True), inbio, outbio
 
 
 def is_hello(message: bytes) -> bool:
@@ -266,20 +289,14 @@ class TLSConnection:
         the end of the stream, ``BlockingIOError`` if ``flags`` say not to
         wait and nothing is there."""
         if self._left == 0:
-            data = self._sock.recv(_RECORD_HEADER - len(self._head), flags)
+            data = self._sock.recv(RECORD_HEADER - len(self._head), flags)
             if not data:
                 raise EOFError
             self._head += data
-            if len(self._head) < _RECORD_HEADER:
+            if len(self._head) < RECORD_HEADER:
                 return
             head, self._head = self._head, b""
-            length = int.from_bytes(head[3:5], "big")
-            if head[0] not in _CONTENT_TYPES or length > _RECORD_MAX:
-                raise ssl.SSLError(
-                    f"the peer did not send TLS (got {head!r}): is it configured "
-                    "for TLS?"
-                )
-            self._left = length
+            self._left = record_length(head)
             with self._ssl_lock:
                 self._in.write(head)
             return
