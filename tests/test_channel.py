@@ -240,3 +240,27 @@ def test_rejections_are_logged_once_per_address_and_interval(monkeypatch, caplog
     finally:
         s.close()
         g._log._windows.clear()
+
+
+def test_a_server_that_stalls_mid_frame_cannot_hold_a_client():
+    """The client's side is bounded too: a 'server' that sends part of its
+    challenge and stops makes connect() fail, not hang."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+
+    def serve():
+        sock, _ = listener.accept()
+        accepted.append(sock)
+        sock.sendall(struct.pack("!i", 49) + b"#FIBER-CHAL")  # 11 of 49 bytes
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(channel.ChannelError, match="stalled"):
+            channel.connect(listener.getsockname(), b"right-key", "echo", timeout=1)
+        assert time.monotonic() - t0 < 10
+    finally:
+        for sock in accepted:
+            sock.close()
+        listener.close()
