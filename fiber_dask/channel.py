@@ -234,12 +234,7 @@ class ChannelServer:
 
     def close(self) -> None:
         self._closed = True
-        self._gate.forget(self._sock)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._gate.close_listener(self._sock)
 
 
 def dial(

@@ -253,8 +253,15 @@ class Gate:
         listener = _Listener(sock, handshake, on_ready, context, tune)
         self._command(("listen", listener))
 
-    def forget(self, sock: socket.socket) -> None:
-        """Stop accepting on ``sock`` (before it is closed)."""
+    def close_listener(self, sock: socket.socket) -> None:
+        """Stop accepting on ``sock`` and close it.  New connections are
+        refused at once; the socket is closed by the gate's thread once it
+        is out of the selector, so its descriptor cannot be reused while
+        still registered."""
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # accept() fails from now on
+        except OSError:
+            pass
         self._command(("forget", sock))
 
     def pending(self) -> int:
@@ -319,6 +326,7 @@ class Gate:
                     self._sel.unregister(arg)
                 except (KeyError, ValueError):
                     pass
+                arg.close()
 
     def _accept(self, listener: _Listener) -> None:
         for _ in range(64):  # then let the handshakes in progress move too
@@ -379,8 +387,8 @@ class Gate:
         mine[fd] = p
         self.stats["accepted"] += 1
         p.events = selectors.EVENT_READ
-        self._sel.register(sock, p.events, p)
         try:
+            self._sel.register(sock, p.events, p)
             if listener.context is not None:
                 p.ssl, p.inbio, p.outbio = tls.server_object(listener.context)
                 p.tls_phase = 1
