@@ -18,12 +18,13 @@ What an unauthenticated peer can cost, and no more:
 * **a whole-handshake deadline**: :data:`HANDSHAKE_TIMEOUT` from the accept to
   the end of the handshake — bytes, frames and the TLS handshake alike; a
   peer that sends a partial frame (or a byte at a time) does not extend it;
-* **a bound per peer address**: at most :data:`MAX_PER_PEER` handshakes in
-  progress from one host, and :data:`MAX_PENDING` in all; a new connection
-  beyond either closes the *oldest* one waiting, so a real client, whose
-  handshake takes a few round trips, still gets in while stalled sockets are
-  dropped (an attacker must keep opening connections faster than a handshake
-  completes to keep anyone out);
+* **a bound per peer address**: at most :data:`MAX_PER_PEER` handshakes
+  older than :data:`MIN_AGE` from one host (a burst of real clients from one
+  big host is let in; the idle ones beyond the bound are closed, oldest
+  first), and :data:`MAX_PENDING` in all (a new connection beyond it closes
+  the oldest).  A real client, whose handshake takes a few round trips, so
+  always gets in while stalled sockets are dropped: an attacker would have
+  to keep opening connections faster than a handshake completes;
 * **frames of at most 256 bytes** before authentication, and nothing is
   unpickled before it;
 * **no thread, no blocking call**: the accept loop never waits for a peer, so
@@ -64,6 +65,7 @@ __all__ = [
     "LOG_INTERVAL",
     "MAX_PENDING",
     "MAX_PER_PEER",
+    "MIN_AGE",
     "Refused",
     "frame",
     "get_gate",
@@ -74,8 +76,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds from the accept to the end of the handshake, whatever the peer sends.
 HANDSHAKE_TIMEOUT = 10.0
-#: Handshakes in progress from one peer address; a new one drops the oldest.
+#: Handshakes in progress from one peer address older than MIN_AGE; the
+#: oldest beyond it are dropped.
 MAX_PER_PEER = 64
+#: Seconds a handshake may take before it counts against MAX_PER_PEER.
+MIN_AGE = 1.0
 #: Handshakes in progress in all; a new one drops the oldest.
 MAX_PENDING = 1024
 #: Seconds between two log lines about rejected connections from one address.
@@ -132,6 +137,7 @@ class _Pending:
         "peer",
         "listener",
         "deadline",
+        "accepted",
         "gen",
         "want",
         "buf",
@@ -149,7 +155,8 @@ class _Pending:
         self.sock = sock
         self.peer = peer
         self.listener = listener
-        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self.accepted = time.monotonic()
+        self.deadline = self.accepted + HANDSHAKE_TIMEOUT
         self.gen: Handshake | None = None
         self.want = 0  # bytes the handshake waits for (0: none)
         self.buf = bytearray()
@@ -226,6 +233,7 @@ class Gate:
         # In accept order, which is deadline order (one timeout for all).
         self._pending: dict[int, _Pending] = {}
         self._by_peer: dict[str, dict[int, _Pending]] = {}
+        self._crowded: set[str] = set()  # peers with over MAX_PER_PEER pending
         self._log = _RejectLog()
         self._paused: list[_Listener] = []  # out of descriptors: not accepting
         self.stats = collections.Counter()  # what happened, for tests and debugging
@@ -292,6 +300,11 @@ class Gate:
             first = next(iter(self._pending.values()))
             left = max(0.0, first.deadline - now)
             timeout = left if timeout is None else min(timeout, left)
+        for peer in self._crowded:
+            mine = self._by_peer.get(peer)
+            if mine:
+                left = max(0.0, next(iter(mine.values())).accepted + MIN_AGE - now)
+                timeout = left if timeout is None else min(timeout, left)
         for lst in list(self._paused):
             left = lst.paused_until - now
             if left <= 0:
@@ -362,12 +375,7 @@ class Gate:
         peer = address[0] if isinstance(address, tuple) and address else "local"
         mine = self._by_peer.setdefault(peer, {})
         if len(mine) >= MAX_PER_PEER:
-            self.stats["evicted-peer"] += 1
-            self._reject(
-                next(iter(mine.values())),
-                f"dropped: over {MAX_PER_PEER} handshakes in progress from this "
-                "address (the oldest goes)",
-            )
+            self._crowded.add(peer)  # trimmed by _expire once they age
         if len(self._pending) >= MAX_PENDING:
             self.stats["evicted-total"] += 1
             self._reject(
@@ -540,6 +548,21 @@ class Gate:
             self._sel.modify(p.sock, events, p)
 
     def _expire(self, now: float) -> None:
+        for peer in list(self._crowded):
+            mine = self._by_peer.get(peer)
+            while mine and len(mine) > MAX_PER_PEER:
+                oldest = next(iter(mine.values()))
+                if now - oldest.accepted < MIN_AGE:
+                    break
+                self.stats["evicted-peer"] += 1
+                self._reject(
+                    oldest,
+                    f"dropped: over {MAX_PER_PEER} handshakes in progress from "
+                    "this address (the oldest go)",
+                )
+                mine = self._by_peer.get(peer)
+            if not mine or len(mine) <= MAX_PER_PEER:
+                self._crowded.discard(peer)
         while self._pending:
             p = next(iter(self._pending.values()))
             if p.deadline > now:
