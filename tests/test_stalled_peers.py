@@ -11,9 +11,11 @@ ports are Dask's business.)
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -98,3 +100,81 @@ def test_a_new_pool_queue_and_manager_work_beside_2000_stalled_sockets(fiber_ctx
             sock.close()
         manager.shutdown()
         q.close()
+
+
+def _frames_until_eof(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_manager_server_tells_a_failed_peer_nothing_but_failure(fiber_ctx):
+    """The stdlib's server answers a wrong handshake with a pickled traceback
+    (unpickled by whoever connected); fiber-dask's sends the protocol's
+    ``#FAILURE#`` and hangs up."""
+    with fiber_ctx.Manager() as manager:
+        for answer in (b"\x00" * 16, pickle.dumps(("#TRACEBACK", "x"))):
+            sock = socket.create_connection(manager.address, timeout=10)
+            (size,) = struct.unpack("!i", sock.recv(4, socket.MSG_WAITALL))
+            assert sock.recv(size, socket.MSG_WAITALL).startswith(b"#CHALLENGE#")
+            sock.sendall(struct.pack("!i", len(answer)) + answer)
+            reply = _frames_until_eof(sock, 10)
+            sock.close()
+            assert reply == struct.pack("!i", 9) + b"#FAILURE#", reply
+        d = manager.dict(a=1)  # and it still serves its clients
+        assert d["a"] == 1
+
+
+def test_manager_handshake_has_the_whole_handshake_deadline(monkeypatch):
+    """A peer trickling a partial frame to a Manager's server is dropped
+    when the handshake's time is up (the server here runs in this process,
+    under this process's gate)."""
+    from fiber_dask.managers import SyncManager
+
+    monkeypatch.setattr(gate, "HANDSHAKE_TIMEOUT", 1.0)
+    server = SyncManager(address=("127.0.0.1", 0), authkey=b"key").get_server()
+
+    def serve():
+        try:
+            server.serve_forever()
+        except SystemExit:  # how the stdlib's server ends
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        sock = socket.create_connection(server.address, timeout=10)
+        (size,) = struct.unpack("!i", sock.recv(4, socket.MSG_WAITALL))
+        sock.recv(size, socket.MSG_WAITALL)
+        t0 = time.monotonic()
+        closed = False
+        for byte in struct.pack("!i", 16) + b"y" * 16:
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(4096) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+                break
+        assert closed, "the Manager's server kept a trickling peer"
+        assert time.monotonic() - t0 < 3.0
+        sock.close()
+    finally:
+        server.stop_event.set()
+        thread.join(5)
+        gate.get_gate().close_listener(server.listener._listener._socket)
