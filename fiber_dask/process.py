@@ -116,6 +116,12 @@ class Process(BaseProcess):
       started again elsewhere.
     * The child's stdout and stderr are forwarded to this process's
       ``sys.stdout`` / ``sys.stderr`` (line-buffered in the child).
+    * ``start()`` raises :class:`~fiber_dask.errors.ClusterConnectionError`
+      if this process has lost its Dask scheduler and does not get it back
+      within ``fiber.connect-timeout``; a Process whose scheduler is lost
+      before it started ends with ``exitcode == -signal.SIGKILL`` and a
+      :attr:`reason` that says so.  A running Process does not need the
+      scheduler (it talks to its launcher directly) and goes on.
     """
 
     _start_method = None
