@@ -85,6 +85,7 @@ MIN_AGE = 1.0
 MAX_PENDING = 1024
 #: Seconds between two log lines about rejected connections from one address.
 LOG_INTERVAL = 60.0
+_LOG_PEERS = 1024  # addresses logged apart in one interval; the rest together
 #: The largest frame an unauthenticated peer may send.
 SMALL_FRAME = 256
 
@@ -177,6 +178,8 @@ class _RejectLog:
         self._windows: dict[str, list] = {}  # peer -> [start, suppressed, reason]
 
     def note(self, peer: str, reason: str) -> None:
+        if peer not in self._windows and len(self._windows) >= _LOG_PEERS:
+            peer = "other addresses"  # a flood from many: one line for the rest
         window = self._windows.get(peer)
         if window is None:
             self._windows[peer] = [time.monotonic(), 0, reason]
