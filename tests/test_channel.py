@@ -264,3 +264,26 @@ def test_a_server_that_stalls_mid_frame_cannot_hold_a_client():
         for sock in accepted:
             sock.close()
         listener.close()
+
+
+def test_the_total_bound_drops_the_oldest_at_once(monkeypatch):
+    """Beyond MAX_PENDING handshakes in all, each new connection drops the
+    oldest one waiting (descriptors are what a flood would exhaust)."""
+    monkeypatch.setattr(gate, "MAX_PENDING", 8)
+    g = gate.get_gate()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    silent = []
+    try:
+        for _ in range(20):
+            silent.append(socket.create_connection(s.address))
+        for sock in silent[:12]:
+            _read_challenge(sock)
+            assert _closed_by_server(sock, 5), "an old stalled socket was kept"
+        wait_until(lambda: g.pending() <= 8, 5, "at most 8 handshakes in progress")
+        # A real client still authenticates (and hears there is no such service).
+        with pytest.raises(channel.ChannelError, match="no service"):
+            channel.connect(s.address, b"right-key", "nope", timeout=10)
+    finally:
+        for sock in silent:
+            sock.close()
+        s.close()
