@@ -78,17 +78,30 @@ def _expect_lost(exc_or_reason: str, address: str) -> None:
     assert "fiber.connect-timeout" in exc_or_reason, exc_or_reason
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_process_started_after_the_scheduler_was_killed(scheduler_and_worker, tmp_path):
     address, sched = scheduler_and_worker
-    with dask.config.set({"fiber.connect-timeout": f"{CONNECT_TIMEOUT}s"}):
-        marker = str(tmp_path / "ran")
-        first = Process(target=hp.touch, args=(marker,), address=address)
-        first.start()
-        wait_for_file(marker, 60)
-        first.join(30)
-        assert first.exitcode == 0
-        client = cluster.get_handle(address=address).client
+    port = int(address.rsplit(":", 1)[1])
+    wait_until(lambda: _listening(port), 60, "the dask scheduler to listen")
+    client = cluster.get_handle(address=address).client
+    wait_until(
+        lambda: client.scheduler_info()["workers"], 60, "the dask worker to register"
+    )
+    marker = str(tmp_path / "ran")
+    first = Process(target=hp.touch, args=(marker,), address=address)
+    first.start()
+    wait_for_file(marker, 60)
+    first.join(30)
+    assert first.exitcode == 0
 
+    with dask.config.set({"fiber.connect-timeout": f"{CONNECT_TIMEOUT}s"}):
         os.kill(sched.pid, signal.SIGKILL)
         sched.wait(10)
         # Right after the kill the client may not know yet: either outcome
