@@ -9,8 +9,8 @@ process that owns an object and the processes that use it::
     parent process                                  Dask worker process
     ┌──────────────────────────┐                    ┌───────────────────────┐
     │ ChannelServer            │ ◄──── connect ──── │ connect(address, ...)  │
-    │  accept thread           │  mutual HMAC auth  │                        │
-    │  handshake thread ──► service handler         │                        │
+    │  the process's gate      │  mutual HMAC auth  │                        │
+    │  (accepts, authenticates) ──► service handler │                        │
     │  (e.g. a Pool's          │ ◄── frames ──────► │ pool-worker loop       │
     │   result thread)         │                    │                        │
     └──────────────────────────┘                    └───────────────────────┘
@@ -26,6 +26,11 @@ TLS handshake with the cluster's certificates, and the HMAC handshake and all
 frames then go inside TLS.  A server's mode is fixed when it starts, a
 client's when it connects; a mismatch fails at once with
 :class:`~fiber_dask.errors.TLSConnectionError`.
+
+Accepting and the server's side of the handshake are
+:mod:`fiber_dask.gate`'s (one thread for every listener, a deadline on the
+whole handshake, a bound on stalled peers per address); the server's protocol
+is :meth:`ChannelServer._serve_handshake`, the client's :func:`connect`.
 
 Frames are ``multiprocessing.connection.Connection`` byte messages (4-byte
 length prefix), which stdlib code already trusts, on sockets with TCP_NODELAY
