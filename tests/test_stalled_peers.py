@@ -3,8 +3,9 @@
 2000 sockets that never complete a handshake — silent ones, partial length
 headers, partial frames, junk, wrong-key handshakes — spread over the
 channel server (Pools, Process launchers, Queues and Locks) and a Manager's
-server; then a new Pool, a Queue used from a Pool task and a Manager call
-all work at once, long before the stalled handshakes' deadline.  (Dask's own
+server; then a Manager call, a new Pool, a Queue and a Lock used from a Pool
+task and a new Process all work, long before the stalled handshakes'
+deadline.  (Dask's own
 ports are Dask's business.)
 """
 
@@ -38,6 +39,11 @@ def _roundtrip(q, x):
     return q.get(timeout=30)
 
 
+def _touch(path):
+    with open(path, "w") as f:
+        f.write("ran")
+
+
 def _stall(address, kind: int, authkey_guess: bytes) -> socket.socket | None:
     sock = socket.create_connection(address, timeout=10)
     if kind == 0:
@@ -55,7 +61,17 @@ def _stall(address, kind: int, authkey_guess: bytes) -> socket.socket | None:
     return sock
 
 
-def test_a_new_pool_queue_and_manager_work_beside_2000_stalled_sockets(fiber_ctx):
+def _locked_roundtrip(lock, x):
+    with lock:
+        return x
+
+
+def test_a_new_pool_queue_and_manager_work_beside_2000_stalled_sockets(
+    fiber_ctx, tmp_path, monkeypatch
+):
+    # Here the stalled handshakes would wait a minute: a client that had to
+    # wait for them to time out would take that long.
+    monkeypatch.setattr(gate, "HANDSHAKE_TIMEOUT", 60.0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = N_STALLED + 1024
     if soft < want:
@@ -65,6 +81,7 @@ def test_a_new_pool_queue_and_manager_work_beside_2000_stalled_sockets(fiber_ctx
     cluster.get_handle()  # the cluster is up before the attack
     manager = fiber_ctx.Manager()
     q = fiber_ctx.Queue()  # its owner's channel server serves Queues and Pools
+    lock = fiber_ctx.Lock()
     stalled: list[socket.socket] = []
     try:
         ports = [tuple(s.address) for s in list(channel._servers.values())]
@@ -75,16 +92,26 @@ def test_a_new_pool_queue_and_manager_work_beside_2000_stalled_sockets(fiber_ctx
         for i in range(N_STALLED):
             sock = _stall(ports[i % len(ports)], i % 5, b"\x00" * 32)
             stalled.append(sock)
+        # The Manager's server process keeps the default 10 s deadline.
         t0 = time.monotonic()
-        with fiber_ctx.Pool(1) as pool:
-            assert pool.map(_square, range(10)) == [x * x for x in range(10)]
-            assert pool.apply(_roundtrip, (q, "item")) == "item"
         d = manager.dict()
         d["k"] = "v"
         assert d["k"] == "v"
         elapsed = time.monotonic() - t0
+        assert elapsed < 10, f"a Manager call took {elapsed:.1f} s"
+        t0 = time.monotonic()
+        with fiber_ctx.Pool(1) as pool:
+            assert pool.map(_square, range(10)) == [x * x for x in range(10)]
+            assert pool.apply(_roundtrip, (q, "item")) == "item"
+            assert pool.apply(_locked_roundtrip, (lock, 7)) == 7
+        marker = str(tmp_path / "ran")
+        p = fiber_ctx.Process(target=_touch, args=(marker,))
+        p.start()
+        p.join(40)
+        assert p.exitcode == 0 and os.path.exists(marker)
+        elapsed = time.monotonic() - t0
         # Well before the stalled handshakes time out: nobody waited for them.
-        assert elapsed < gate.HANDSHAKE_TIMEOUT, (
+        assert elapsed < 45, (
             f"the new clients needed {elapsed:.1f} s: they waited for stalled peers"
         )
         # This process's gate holds only its bound of idle ones; the oldest
