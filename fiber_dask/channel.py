@@ -9,8 +9,8 @@ process that owns an object and the processes that use it::
     parent process                                  Dask worker process
     ┌──────────────────────────┐                    ┌───────────────────────┐
     │ ChannelServer            │ ◄──── connect ──── │ connect(address, ...)  │
-    │  accept thread           │  mutual HMAC auth  │                        │
-    │  handshake thread ──► service handler         │                        │
+    │  the process's gate      │  mutual HMAC auth  │                        │
+    │  (accepts, authenticates) ──► service handler │                        │
     │  (e.g. a Pool's          │ ◄── frames ──────► │ pool-worker loop       │
     │   result thread)         │                    │                        │
     └──────────────────────────┘                    └───────────────────────┘
@@ -27,6 +27,11 @@ frames then go inside TLS.  A server's mode is fixed when it starts, a
 client's when it connects; a mismatch fails at once with
 :class:`~fiber_dask.errors.TLSConnectionError`.
 
+Accepting and the server's side of the handshake are
+:mod:`fiber_dask.gate`'s (one thread for every listener, a deadline on the
+whole handshake, a bound on stalled peers per address); the server's protocol
+is :meth:`ChannelServer._serve_handshake`, the client's :func:`connect`.
+
 Frames are ``multiprocessing.connection.Connection`` byte messages (4-byte
 length prefix), which stdlib code already trusts, on sockets with TCP_NODELAY
 and keep-alive so a vanished host is noticed without Dask's help.
@@ -39,12 +44,13 @@ import logging
 import os
 import pickle
 import socket
+import struct
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from . import tls
+from . import gate, security, tls
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +60,10 @@ _NONCE = 32
 _CHALLENGE = b"#FIBER-CHALLENGE#"
 _WELCOME = b"#FIBER-WELCOME#"
 _FAILURE = b"#FIBER-FAILURE#"
-_HANDSHAKE_TIMEOUT = 10.0
-# Handshakes in progress at once.  Beyond it the accept loop waits (connections
-# queue in the listen backlog) instead of starting a thread per connection, so a
-# flood of silent peers costs time, not memory: each gives up after the timeout.
-_MAX_HANDSHAKES = 512
+#: Seconds a client waits for each step of its handshake; a server's whole
+#: handshake is bounded by :data:`fiber_dask.gate.HANDSHAKE_TIMEOUT`.
+HANDSHAKE_TIMEOUT = gate.HANDSHAKE_TIMEOUT
+_HELLO_MAX = 1 << 20  # an authenticated peer's hello: small plain data
 
 Handler = Callable[[Connection, Any], None]
 
@@ -76,10 +81,26 @@ def _recv_small(conn: Connection, timeout: float) -> bytes:
         raise AuthenticationError(
             f"peer sent nothing for {timeout:g} s during the handshake"
         )
+    _read_timeout(conn, timeout)  # a partial frame cannot hold us forever
     return conn.recv_bytes(256)  # a bounded read: large junk is rejected
 
 
+def _read_timeout(conn: Any, timeout: float | None) -> None:
+    """Bound each read of ``conn``'s socket (SO_RCVTIMEO), or lift the bound."""
+    seconds = 0.0 if timeout is None else max(timeout, 0.001)
+    value = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        finally:
+            s.close()
+    except OSError:
+        pass
+
+
 def _deliver_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
+    """The client's check of the server (the server's is :func:`_serve_handshake`)."""
     nonce = os.urandom(_NONCE)
     conn.send_bytes(_CHALLENGE + nonce)
     response = _recv_small(conn, timeout)
@@ -110,7 +131,8 @@ def peer_timeout() -> float:
         return 30.0
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
+    """TCP_NODELAY and keep-alive with ``fiber.peer-timeout`` on a connection."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # With T = fiber.peer-timeout (30 s by default): a peer host that vanishes
@@ -133,6 +155,10 @@ def _tune(sock: socket.socket) -> None:
 class ChannelServer:
     """Listen for authenticated connections and hand them to named services.
 
+    Accepting and authenticating is :mod:`fiber_dask.gate`'s: a peer that
+    does not complete the handshake in time, or stalls among too many from
+    its address, is dropped there without holding a thread or the accepts.
+
     Parameters
     ----------
     host : str
@@ -146,20 +172,19 @@ class ChannelServer:
     def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
         self.authkey = bytes(authkey)
         self.context = context
-        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._services: dict[str, Handler] = {}
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
-        self._sock.listen(128)
+        self._sock.listen(512)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._closed = False
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="fiber-channel-accept", daemon=True
+        self._gate = gate.get_gate()
+        self._gate.listen(
+            self._sock, self._serve_handshake, self._on_ready, context, tune
         )
-        self._thread.start()
 
     def __repr__(self) -> str:
         tls_ = " tls" if self.context is not None else ""
@@ -174,32 +199,36 @@ class ChannelServer:
         with self._lock:
             self._services.pop(service, None)
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            # Handshakes run in their own thread so a slow or hostile peer
-            # cannot stall the accept loop; at most _MAX_HANDSHAKES at once.
-            self._handshakes.acquire()
-            threading.Thread(
-                target=self._bounded_handshake,
-                args=(sock, peer),
-                name="fiber-channel-handshake",
-                daemon=True,
-            ).start()
+    def _serve_handshake(self) -> gate.Handshake:
+        """The server's side of the handshake, run by the gate: challenge the
+        peer, answer its challenge, then (only now trusting it with pickle)
+        read its hello and find its service."""
+        authkey = self.authkey
+        nonce = os.urandom(_NONCE)
+        yield gate.frame(_CHALLENGE + nonce)
+        response = yield from gate.recv_frame()
+        if not hmac.compare_digest(response, _digest(authkey, nonce)):
+            yield gate.frame(_FAILURE)
+            raise AuthenticationError("digest received was wrong (wrong authkey?)")
+        yield gate.frame(_WELCOME)
+        message = yield from gate.recv_frame()
+        if not message.startswith(_CHALLENGE):
+            raise AuthenticationError("peer did not speak the fiber-dask handshake")
+        yield gate.frame(_digest(authkey, message[len(_CHALLENGE) :]))
+        if (yield from gate.recv_frame()) != _WELCOME:
+            raise AuthenticationError("digest sent was rejected (wrong authkey?)")
+        # Authenticated: only now is the peer trusted with pickle.
+        service, hello = pickle.loads((yield from gate.recv_frame(_HELLO_MAX)))
+        with self._lock:
+            handler = self._services.get(service)
+        if handler is None:
+            yield gate.frame(b"NOSERVICE")
+            raise gate.Refused(f"no service {service!r}")
+        yield gate.frame(b"OK")
+        return handler, service, hello
 
-    def _bounded_handshake(self, sock: socket.socket, peer: Any) -> None:
-        try:
-            accepted = self._handshake(sock, peer)
-        finally:
-            self._handshakes.release()  # not held for the connection's life
-        if accepted is None:
-            return
-        conn, handler, service, hello = accepted
+    def _on_ready(self, conn: Any, accepted: tuple) -> None:
+        handler, service, hello = accepted
         try:
             handler(conn, hello)
         except Exception:  # a handler bug must not kill the server
@@ -208,54 +237,9 @@ class ChannelServer:
             )
             conn.close()
 
-    def _handshake(self, sock: socket.socket, peer: Any) -> tuple | None:
-        """Authenticate a new connection and read its hello: the connection,
-        its service's handler, the service and the hello; None if refused."""
-        try:
-            _tune(sock)
-            sock.setblocking(True)  # Connection reads the raw fd; polls bound waits
-            if self.context is None:
-                conn: Any = Connection(sock.detach())
-            else:
-                conn = tls.TLSConnection.server(sock, self.context)
-        except OSError:
-            sock.close()
-            return None
-        try:
-            if self.context is not None:
-                conn.handshake(_HANDSHAKE_TIMEOUT)
-            _deliver_challenge(conn, self.authkey, _HANDSHAKE_TIMEOUT)
-            _answer_challenge(conn, self.authkey, _HANDSHAKE_TIMEOUT)
-            if not conn.poll(_HANDSHAKE_TIMEOUT):
-                raise AuthenticationError("hello timed out")
-            # Authenticated: only now is the peer trusted with pickle.
-            service, hello = pickle.loads(conn.recv_bytes())
-            with self._lock:
-                handler = self._services.get(service)
-            if handler is None:
-                conn.send_bytes(b"NOSERVICE")
-                conn.close()
-                return None
-            conn.send_bytes(b"OK")
-        except (
-            AuthenticationError,
-            EOFError,
-            OSError,
-            pickle.PickleError,
-            ValueError,
-        ) as e:
-            logger.warning("fiber-dask: rejected connection from %s: %r", peer, e)
-            conn.close()
-            return None
-        return conn, handler, service, hello
-
     def close(self) -> None:
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._gate.close_listener(self._sock)
 
 
 def dial(
@@ -270,13 +254,13 @@ def dial(
     read and the TLS handshake done; ``where`` names the server in errors,
     see :func:`fiber_dask.tls.connect`), else a plain ``Connection``.  A
     failed TCP connect raises ``unreachable(e)`` from ``e``."""
-    context = tls.client_context()
+    context = security.client_context()
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         raise unreachable(e) from e
     try:
-        _tune(sock)
+        tune(sock)
         if context is None:
             sock.settimeout(None)
             return Connection(sock.detach())
@@ -323,6 +307,13 @@ def connect(
         if not conn.poll(timeout):
             raise ChannelError(f"handshake with {host}:{port} timed out")
         answer = conn.recv_bytes(64)
+        _read_timeout(conn, None)  # the connection's own reads wait as long as needed
+    except (BlockingIOError, TimeoutError) as e:
+        conn.close()
+        raise ChannelError(
+            f"the handshake with {host}:{port} stalled for over {timeout:g} s "
+            "(not a fiber-dask endpoint, or it is overloaded)"
+        ) from e
     except BaseException as e:
         conn.close()
         err = tls.handshake_error(e, f"{host}:{port}")
@@ -345,7 +336,7 @@ def get_server(host: str, authkey: bytes, client: Any = None) -> ChannelServer:
     """This process's channel server on ``host``, started on first use; TLS
     if this process's cluster (or ``client``'s, for an object made for that
     client's cluster) uses TLS (see :mod:`fiber_dask.tls`)."""
-    context = tls.server_context(client)
+    context = security.server_context(client)
     key = (host, authkey, id(context) if context is not None else None)
     with _server_lock:
         server = _servers.get(key)

@@ -25,7 +25,7 @@ fiber-dask changes where things live and how they are reached:
   local processes.
 * **TLS when the cluster uses it**: the server process listens in the mode
   (and with the certificate) of the process that started it; see
-  :mod:`fiber_dask.tls`.
+  :mod:`fiber_dask.security`.
 * :class:`AsyncManager` (from Fiber): proxy calls return results to collect
   later, so one controller can drive hundreds of remote objects.
 
@@ -98,7 +98,58 @@ _leased: weakref.WeakSet[_SemState] = weakref.WeakSet()
 
 class Server(_std.Server):
     """The stdlib's manager server; what a connection held is released when
-    the connection ends."""
+    the connection ends.  Connections are accepted and authenticated by this
+    process's handshake gate (:mod:`fiber_dask.gate`), not by a thread per
+    connection: a peer must finish the handshake within the gate's deadline,
+    may keep only a bounded number waiting, and hears nothing but the
+    protocol's ``#FAILURE#`` if it fails (the stdlib sends it a pickled
+    traceback)."""
+
+    def accepter(self) -> None:
+        sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
+        if sock is None:  # not a socket listener: the stdlib's own loop
+            return super().accepter()
+        from . import channel, gate
+
+        authkey = bytes(self.authkey)
+        gate.get_gate().listen(
+            sock,
+            lambda: _server_handshake(authkey),
+            self._authenticated,
+            getattr(self.listener, "_context", None),
+            channel.tune,
+        )
+
+    def _authenticated(self, conn: Any, _result: Any) -> None:
+        """An authenticated connection (in a thread of its own)."""
+        if isinstance(self.listener, proxies._XmlListener):
+            conn = proxies._XmlClientWrap(conn)
+        self.handle_request(conn)
+
+    def _handle_request(self, c: Any) -> None:
+        """The stdlib's, without its handshake: the gate ran it."""
+        request = None
+        try:
+            request = c.recv()
+            ignore, funcname, args, kwds = request
+            assert funcname in self.public, f"{funcname!r} unrecognized"
+            func = getattr(self, funcname)
+        except Exception:
+            msg = ("#TRACEBACK", _std.format_exc())
+        else:
+            try:
+                result = func(c, *args, **kwds)
+            except Exception:
+                msg = ("#TRACEBACK", _std.format_exc())
+            else:
+                msg = ("#RETURN", result)
+        try:
+            c.send(msg)
+        except Exception:
+            try:
+                c.send(("#TRACEBACK", _std.format_exc()))
+            except Exception:
+                pass
 
     def serve_client(self, conn: Any) -> None:
         try:
@@ -107,6 +158,48 @@ class Server(_std.Server):
             session = {"id": _conn_id()}
             for state in list(_leased):
                 state.disconnected(session)
+
+
+def _server_handshake(authkey: bytes) -> Any:
+    """The server's side of the stdlib's handshake (``deliver_challenge``,
+    then ``answer_challenge``), as a :mod:`fiber_dask.gate` handshake: one
+    deadline for all of it, frames of at most 256 bytes."""
+    import hmac
+    from multiprocessing import AuthenticationError
+    from multiprocessing import connection as mpc
+
+    from . import gate
+
+    challenge = getattr(mpc, "_CHALLENGE", None) or mpc.CHALLENGE
+    welcome = getattr(mpc, "_WELCOME", None) or mpc.WELCOME
+    failure = getattr(mpc, "_FAILURE", None) or mpc.FAILURE
+    verify = getattr(mpc, "_verify_challenge", None)  # 3.12+: digest negotiation
+    respond = getattr(mpc, "_create_response", None)
+    message = os.urandom(mpc.MESSAGE_LENGTH)
+    if verify is not None:
+        message = b"{sha256}" + message
+    yield gate.frame(challenge + message)
+    response = yield from gate.recv_frame()
+    if verify is not None:
+        try:
+            verify(authkey, message, response)
+        except AuthenticationError:
+            yield gate.frame(failure)
+            raise
+    elif not hmac.compare_digest(response, hmac.new(authkey, message, "md5").digest()):
+        yield gate.frame(failure)
+        raise AuthenticationError("digest received was wrong (wrong authkey?)")
+    yield gate.frame(welcome)
+    theirs = yield from gate.recv_frame()
+    if not theirs.startswith(challenge):
+        raise AuthenticationError("peer did not speak the multiprocessing handshake")
+    theirs = theirs[len(challenge) :]
+    if respond is not None:
+        yield gate.frame(respond(authkey, theirs))
+    else:
+        yield gate.frame(hmac.new(authkey, theirs, "md5").digest())
+    if (yield from gate.recv_frame()) != welcome:
+        raise AuthenticationError("digest sent was rejected (wrong authkey?)")
 
 
 def _conn_id() -> int:
@@ -212,11 +305,11 @@ def _server_init(
     mode for the listener, watch the owner, then the user's initializer."""
     import dask.config
 
-    from . import tls
+    from . import security
 
     if settings:
         dask.config.set(settings)
-    tls.pin(tls_settings, "the process that started the manager")
+    security.pin(tls_settings, "the process that started the manager")
     _watch_parent(os.getppid())
     if initializer is not None:
         initializer(*initargs)
@@ -235,7 +328,7 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     """Config for the server process so that ``manager.Pool()`` attaches to
     this process's cluster instead of starting one of its own (with this
     process's certificate when the cluster uses TLS)."""
-    from . import cluster, tls
+    from . import cluster, security
 
     handle = cluster._handle
     if handle is None:
@@ -247,7 +340,7 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     settings = {"fiber.backend": "address", "fiber.address": address}
     if handle.listen_host:
         settings["fiber.listen-host"] = handle.listen_host
-    settings.update(tls.dask_config(tls_settings))
+    settings.update(security.dask_config(tls_settings))
     return settings
 
 
@@ -293,9 +386,9 @@ class BaseManager(_std.BaseManager):
             raise TypeError("initializer must be a callable")
         if self._state.value == State.INITIAL and self._address is None:
             self._address = (_manager_host(), 0)
-        from . import tls
+        from . import security
 
-        tls_settings = tls.export()  # the server listens as this process connects
+        tls_settings = security.export()  # the server listens as this process connects
         super().start(
             _server_init,
             (

@@ -32,7 +32,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import channel
+from . import channel, security
 
 __all__ = [
     "ObjectServer",
@@ -217,11 +217,7 @@ def get_object_server() -> ObjectServer:
     global _object_server
     with _object_server_lock:
         if _object_server is None or _object_server.server._closed:
-            import multiprocessing
-
-            _object_server = ObjectServer(
-                listen_host(), bytes(multiprocessing.current_process().authkey)
-            )
+            _object_server = ObjectServer(listen_host(), security.authkey())
         return _object_server
 
 

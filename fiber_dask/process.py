@@ -33,43 +33,40 @@ How a Process runs::
 
 The launcher secedes from the worker's thread pool once the child runs, so a
 running Process does not hold a task slot (as stdlib processes oversubscribe
-the CPUs); ``resources=`` stay reserved until it ends.
+the CPUs); ``resources=`` stay reserved until it ends.  This module is the
+parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launcher`.
 """
 
 from __future__ import annotations
 
 import atexit
 import codecs
-import json
 import logging
 import os
 import pickle
 import random
 import signal
-import struct
-import subprocess
 import sys
 import threading
+import time
 import uuid
 import weakref
 from multiprocessing.process import BaseProcess, current_process, parent_process
 from typing import Any
 
-from . import channel, cluster
+from . import channel, cluster, launcher, security
 
 __all__ = [
     "Process",
     "current_process",
     "parent_process",
     "active_children",
-    "run_launcher",
 ]
 
 logger = logging.getLogger(__name__)
 
 _children: set = set()  # started fiber Processes of this process, not yet reaped
 _SLOT_WAIT = 0.5  # seconds a queued launcher task waits before launching beside tasks
-_PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
 
 
 def active_children() -> list:
@@ -83,11 +80,6 @@ def _cleanup() -> None:
         popen = p._popen
         if popen is None or popen.poll() is not None:
             _children.discard(p)
-
-
-def _authkey() -> bytes:
-    """The channel key: this process's multiprocessing authkey (as Pool uses)."""
-    return bytes(current_process().authkey)
 
 
 class Process(BaseProcess):
@@ -124,6 +116,12 @@ class Process(BaseProcess):
       started again elsewhere.
     * The child's stdout and stderr are forwarded to this process's
       ``sys.stdout`` / ``sys.stderr`` (line-buffered in the child).
+    * ``start()`` raises :class:`~fiber_dask.errors.ClusterConnectionError`
+      if this process has lost its Dask scheduler and does not get it back
+      within ``fiber.connect-timeout``; a Process whose scheduler is lost
+      before it started ends with ``exitcode == -signal.SIGKILL`` and a
+      :attr:`reason` that says so.  A running Process does not need the
+      scheduler (it talks to its launcher directly) and goes on.
     """
 
     _start_method = None
@@ -163,6 +161,7 @@ class Process(BaseProcess):
         handle = cluster.get_handle(
             client=self._fiber_client, address=self._fiber_address
         )
+        _require_scheduler(handle.client)
         resources = self._resources
         if resources is None:  # @fiber_dask.meta(...) on the target or run()
             from .meta import resources_of
@@ -237,13 +236,15 @@ class _Launch:
         token = uuid.uuid4().hex
         self._service = f"process-{token}"
         self._server = channel.get_server(
-            handle.listen_host or "127.0.0.1", _authkey(), handle.client
+            handle.listen_host or "127.0.0.1", security.authkey(), handle.client
         )
         self._server.register(self._service, self._on_connect)
         self._future: Any = None
+        self._client = handle.client
+        self._started_at = time.monotonic()
         try:
             self._future = handle.client.submit(
-                run_launcher,
+                launcher.run_launcher,
                 self._server.address,
                 self._server.authkey,
                 self._service,
@@ -324,10 +325,8 @@ class _Launch:
                 return
             self._server.unregister(self._service)
             if self._future is not None and self._future.status == "pending":
-                try:  # launched beside tasks: the queued task is not needed
-                    self._future.cancel()
-                except Exception:
-                    pass
+                # Launched beside tasks: the queued task is not needed.
+                _cancel_quietly(self._client, self._future)
             hello = hello or {}
             self.worker = hello.get("worker")
             self.worker_pid = hello.get("pid")
@@ -393,6 +392,9 @@ class _Launch:
         takes only the first launcher, so the two can never both start it."""
         if self._claimed or self.returncode is not None:
             return
+        if getattr(handle.client, "status", "running") != "running":
+            self._watch_scheduler(handle.client)
+            return
         try:
             if self._future.status != "pending":
                 return
@@ -409,7 +411,7 @@ class _Launch:
                 return  # none fits now: the queued task waits for scaling
             target = random.choice(fits)
             handle.client.run(
-                _launch_beside_tasks,
+                launcher.launch_beside_tasks,
                 self._server.address,
                 self._server.authkey,
                 self._service,
@@ -417,6 +419,29 @@ class _Launch:
             )
         except Exception:  # the client may be closing: the task path remains
             logger.debug("fiber-dask: could not launch beside tasks", exc_info=True)
+
+    def _watch_scheduler(self, client: Any) -> None:
+        """The client lost its scheduler before a launcher connected: wait
+        for it to come back until ``fiber.connect-timeout`` after start(),
+        else end the Process saying so (Dask itself would cancel the task
+        only when its own reconnect gives up)."""
+        timeout = _connect_timeout()
+        deadline = self._started_at + timeout
+        while time.monotonic() < deadline:
+            if self._claimed or self.returncode is not None:
+                return
+            if client.status == "running":
+                return
+            time.sleep(0.05)
+        with self._lock:
+            if self._claimed or self.returncode is not None:
+                return
+            self._finish_locked(
+                -signal.SIGKILL,
+                f"process {self.name!r} could not start: "
+                + _lost_scheduler(client, timeout),
+            )
+        self._release()
 
     def _on_future_done(self, fut: Any) -> None:
         """The launcher task ended (runs in the client's event loop: no blocking).
@@ -436,6 +461,8 @@ class _Launch:
             if status == "error":
                 exc = getattr(getattr(fut, "_state", None), "exception", None)
                 why = f"its launcher task failed: {exc!r}"
+            elif status == "cancelled" and self._client.status != "running":
+                why = _lost_scheduler(self._client, _connect_timeout())
             elif status == "cancelled":
                 why = "its launcher task was cancelled"
             else:
@@ -451,10 +478,13 @@ class _Launch:
         except Exception:  # the client may be closing
             result = None
         why = "its launcher task ended without starting it"
-        if isinstance(result, str) and result.startswith("unreachable: "):
+        if (
+            isinstance(result, launcher.LaunchResult)
+            and result.outcome is launcher.Outcome.UNREACHABLE
+        ):
             why = (
                 "its launcher could not connect back to this process from its "
-                f"worker: {result[len('unreachable: ') :]}"
+                f"worker: {result.detail}"
             )
         with self._lock:
             if self._claimed or self.returncode is not None:
@@ -482,10 +512,66 @@ class _Launch:
         self._server.unregister(self._service)
         fut, self._future = self._future, None
         if fut is not None:
-            try:
-                fut.cancel()
-            except Exception:  # the client may be closing at exit
-                pass
+            _cancel_quietly(self._client, fut)
+
+
+def _cancel_quietly(client: Any, fut: Any) -> None:
+    """Cancel ``fut`` without waiting: ``Future.cancel`` waits for the event
+    loop, forever if it has stopped (at exit) or its scheduler is gone."""
+    try:
+        if client.status in ("closing", "closed"):
+            return  # nothing to cancel with: the scheduler forgets it
+        client.loop.add_callback(client._cancel, [fut])
+    except Exception:  # a closed loop: nothing is running the task for us
+        pass
+
+
+def _connect_timeout() -> float:
+    from . import config
+
+    try:
+        return config.timedelta("connect-timeout")
+    except Exception:  # an old or broken config must not break a Process
+        return 10.0
+
+
+def _scheduler_address(client: Any) -> str:
+    try:
+        return client.scheduler.address or "?"
+    except Exception:
+        return str(getattr(client, "_start_arg", None) or "?")
+
+
+def _lost_scheduler(client: Any, timeout: float) -> str:
+    return (
+        f"the Dask scheduler at {_scheduler_address(client)} is unreachable: this "
+        f"process lost its connection to it and did not get it back within "
+        f"fiber.connect-timeout={timeout:g}s (client status {client.status!r}). "
+        "Start the scheduler again (or attach to a running one) and retry."
+    )
+
+
+def _require_scheduler(client: Any) -> None:
+    """Raise :class:`~fiber_dask.errors.ClusterConnectionError` unless
+    ``client`` is connected to its scheduler, or reconnects within
+    ``fiber.connect-timeout``: a Process started after its scheduler was lost
+    fails at once, saying so, instead of ending with an unexplained
+    ``exitcode == -9`` when Dask gives the task up."""
+    status = getattr(client, "status", "running")
+    if status == "running":
+        return
+    timeout = _connect_timeout()
+    deadline = time.monotonic() + timeout
+    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = client.status
+    if status == "running":
+        return
+    from .errors import ClusterConnectionError
+
+    raise ClusterConnectionError(
+        "cannot start a fiber-dask Process: " + _lost_scheduler(client, timeout)
+    )
 
 
 def _when_done(client: Any, fut: Any, callback: Any) -> None:
@@ -518,225 +604,65 @@ def _close_fds(fds: dict, *which: str) -> None:
                 pass
 
 
-# ------------------------------------------------------------------- the launcher
-
-
-def run_launcher(
-    address: tuple[str, int], authkey: bytes, service: str, worker: Any = None
-) -> str:
-    """Body of a Process's Dask task: start the child and relay for it.
-
-    Returns why it ended: ``"exited"``, ``"refused"`` (another launcher already
-    ran this Process, or its parent is gone), ``"parent-lost"``, or
-    ``"unreachable: <error>"`` (the parent's address cannot be reached from
-    this worker; the parent puts it in :attr:`Process.reason`).
-    """
-    try:
-        if worker is None:
-            from distributed import get_worker
-
-            worker = get_worker()
-        worker_address = worker.address
-        scheduler_address = worker.scheduler.address
-        security = getattr(worker, "security", None)
-    except (ImportError, ValueError):
-        worker_address = scheduler_address = security = None
-    try:
-        conn = channel.connect(
-            address,
-            authkey,
-            service,
-            hello={"pid": os.getpid(), "worker": worker_address},
-        )
-    except channel.ChannelError as e:
-        if isinstance(e.__cause__, OSError):
-            return f"unreachable: {e}"  # the parent's address, from this host
-        return "refused"
-    except OSError as e:
-        return f"unreachable: {e}"
-    try:
-        try:
-            kind, payload = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return "refused"
-        assert kind == "payload"
-        _secede()
-        return _launch(conn, payload, worker_address, scheduler_address, security)
-    finally:
-        channel.hangup(conn)
-
-
-def _launch_beside_tasks(address, authkey, service, dask_worker=None) -> None:
-    """Run a launcher in a thread of this worker process, outside its task
-    slots (``client.run`` calls this on the worker's event loop: return at once)."""
-    threading.Thread(
-        target=run_launcher,
-        args=(address, authkey, service, dask_worker),
-        name="fiber-process-launcher",
-        daemon=True,
-    ).start()
-
-
-def _secede() -> None:
-    """Give the worker thread back: the child, not this task, does the work."""
-    try:
-        from distributed import secede
-
-        secede()
-    except Exception:  # not inside a Dask task (tests), or an old distributed
-        pass
-
-
-def _child_env(
-    worker_address: str | None, scheduler_address: str | None, security: Any = None
-) -> dict:
-    env = dict(os.environ)
-    env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
-    # The worker's import path (a spawned worker has its parent's, the script's
-    # directory included), as the stdlib hands sys.path to its children.
-    env["FIBER_DASK_SYS_PATH"] = json.dumps(sys.path)
-    if scheduler_address:
-        # Nested Pool/Process/Queue in the child attach to this same cluster,
-        # whatever backend the parent's configuration names.
-        env["DASK_SCHEDULER_ADDRESS"] = scheduler_address
-        env["DASK_FIBER__BACKEND"] = "address"
-        env["DASK_FIBER__ADDRESS"] = scheduler_address
-    if worker_address:
-        from distributed.comm import get_address_host
-
-        env["DASK_FIBER__LISTEN_HOST"] = get_address_host(worker_address)
-    env.update(_security_env(security))
-    return env
-
-
-def _security_env(security: Any) -> dict:
-    """Dask config (as environment) that lets the child connect to the
-    scheduler as its worker does: a worker started with ``--tls-*`` options
-    has its certificates in its Security object, not in its config, so a
-    child attaching over ``tls://`` would have no TLS context without this."""
-    if security is None or not (security.require_encryption or security.tls_ca_file):
-        return {}
-    prefix = "DASK_DISTRIBUTED__COMM__"
-    env = {f"{prefix}REQUIRE_ENCRYPTION": str(bool(security.require_encryption))}
-    values = {
-        "TLS__CA_FILE": security.tls_ca_file,
-        "TLS__CIPHERS": security.tls_ciphers,
-        # The child is a client of the scheduler; a worker's own certificate
-        # serves when no client certificate was given.
-        "TLS__CLIENT__CERT": security.tls_client_cert or security.tls_worker_cert,
-        "TLS__CLIENT__KEY": security.tls_client_key or security.tls_worker_key,
-    }
-    for key, value in values.items():
-        if value:
-            env[prefix + key] = value
-    return env
-
-
-def _launch(
-    conn: Any, payload: bytes, worker_address, scheduler_address, security=None
-) -> str:
-    send_lock = threading.Lock()
-
-    def send(msg: tuple) -> bool:
-        with send_lock:
-            try:
-                conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-                return True
-            except OSError:
-                return False
-
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "fiber_dask.processchild"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=_child_env(worker_address, scheduler_address, security),
-            close_fds=True,
-        )
-    except OSError as e:
-        send(("error", f"cannot start the child process on {worker_address}: {e}"))
-        return "failed"
-    send(("started", child.pid))
-    try:
-        child.stdin.write(struct.pack("!Q", len(payload)) + payload)
-        child.stdin.flush()
-    except OSError:
-        pass  # the child died already; its exit status tells why
-    del payload
-
-    state = {"exited": False, "parent_lost": False}
-
-    def pump(stream: Any, kind: str) -> None:
-        fd = stream.fileno()
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            send((kind, data))
-
-    def control() -> None:
-        while True:
-            try:
-                kind, arg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError, pickle.UnpicklingError, ValueError):
-                if not state["exited"]:
-                    state["parent_lost"] = True
-                    try:
-                        child.kill()  # the parent is gone: so is its child
-                    except OSError:
-                        pass
-                return
-            if kind == "signal":
-                try:
-                    child.send_signal(arg)  # no-op once the child is reaped
-                except OSError:
-                    pass
-
-    pumps = [
-        threading.Thread(target=pump, args=(child.stdout, "out"), daemon=True),
-        threading.Thread(target=pump, args=(child.stderr, "err"), daemon=True),
-    ]
-    for t in pumps:
-        t.start()
-    threading.Thread(target=control, name="fiber-process-control", daemon=True).start()
-    returncode = child.wait()
-    for t in pumps:  # a grandchild may hold the pipes open: do not wait forever
-        t.join(_PIPE_DRAIN)
-    state["exited"] = True
-    send(("exit", returncode))
-    for f in (child.stdin, child.stdout, child.stderr):
-        try:
-            f.close()
-        except OSError:
-            pass
-    return "parent-lost" if state["parent_lost"] else "exited"
-
-
 # ----------------------------------------------------------------- at exit
 
 
+_DAEMON_GRACE = 5.0  # seconds a daemonic child gets after SIGTERM at exit
+
+
 def _exit_function() -> None:
-    """As the stdlib at exit: terminate daemonic children, join the others.
+    """As the stdlib at exit: terminate daemonic children, join the others;
+    but never without a deadline where the stdlib would hang.
+
+    A daemonic child that ignores SIGTERM is killed after ``_DAEMON_GRACE``
+    s.  A Process still waiting for its launcher while the client has lost
+    its scheduler is given up after ``fiber.connect-timeout``.  A running
+    non-daemonic child is waited for, as the stdlib does (its launcher's
+    connection ends the wait if its worker or host dies).
 
     Registered after ``cluster.shutdown`` (imported above), so it runs before
     the cluster fiber-dask started is closed.
     """
-    for p in active_children():
+    children = active_children()
+    for p in children:
         if p.daemon:
             try:
                 p._popen.terminate()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
+    for p in children:
+        if p.daemon:
+            try:
+                if p._popen.wait(_DAEMON_GRACE) is None:
+                    p._popen.kill()
+            except Exception:  # noqa: BLE001
+                pass
     for p in active_children():
         try:
-            p._popen.wait()
+            _wait_at_exit(p._popen)
         except Exception:  # noqa: BLE001
             pass
     _cleanup()
+
+
+def _wait_at_exit(popen: _Launch) -> None:
+    lost_since = None
+    while popen.wait(0.5) is None:
+        if popen._conn is not None:
+            continue  # running: wait for it, as the stdlib does
+        if popen._client.status == "running":
+            lost_since = None
+            continue
+        now = time.monotonic()
+        lost_since = lost_since or now
+        timeout = _connect_timeout()
+        if now - lost_since > timeout:
+            popen._finish(
+                -signal.SIGKILL,
+                f"process {popen.name!r} never started: "
+                + _lost_scheduler(popen._client, timeout),
+            )
+            return
 
 
 atexit.register(_exit_function)

@@ -1,6 +1,6 @@
 """The child bootstrap of a fiber-dask ``Process``: ``python -m fiber_dask.processchild``.
 
-Started by the launcher (``fiber_dask.process.run_launcher``) inside a Dask
+Started by the launcher (``fiber_dask.launcher.run_launcher``) inside a Dask
 worker.  Protocol on stdin: an 8-byte big-endian length, then the cloudpickled
 ``(Process subclass, state)``; after that stdin stays open and carries nothing.
 Its EOF means the launcher's worker process is gone, and the child kills

@@ -40,8 +40,8 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from multiprocessing import connection, managers
 from typing import Any
 
-from . import tls
-from .channel import _HANDSHAKE_TIMEOUT, _tune, dial
+from . import security, tls
+from .channel import HANDSHAKE_TIMEOUT, dial, tune
 from .errors import ManagerConnectionError
 
 __all__ = [
@@ -121,7 +121,7 @@ class _Listener(connection.Listener):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._context = (
-            tls.server_context() if isinstance(self.address, tuple) else None
+            security.server_context() if isinstance(self.address, tuple) else None
         )
 
     def accept(self) -> Any:
@@ -132,7 +132,7 @@ class _Listener(connection.Listener):
         try:
             sock = socket.socket(fileno=c.fileno())
             try:
-                _tune(sock)
+                tune(sock)
             finally:
                 sock.detach()
         except OSError:
@@ -146,11 +146,11 @@ class _Listener(connection.Listener):
         sock, listener._last_accepted = listener._socket.accept()
         try:
             sock.setblocking(True)
-            _tune(sock)
+            tune(sock)
         except OSError:
             sock.close()
             raise
-        return tls.TLSConnection.server(sock, self._context, lazy=_HANDSHAKE_TIMEOUT)
+        return tls.TLSConnection.server(sock, self._context, lazy=HANDSHAKE_TIMEOUT)
 
 
 class _XmlClientWrap(connection.ConnectionWrapper):
@@ -295,9 +295,7 @@ def _auto(
     if authkey is None and manager is not None:
         authkey = manager._authkey
     if authkey is None:
-        from multiprocessing import current_process
-
-        authkey = current_process().authkey
+        authkey = security.authkey()
     if exposed is None:
         conn = client(token.address, authkey=authkey)
         try:

@@ -18,6 +18,7 @@ authenticated direct channel (see ``objserver``).  So:
 from __future__ import annotations
 
 import collections
+import itertools
 import pickle
 import queue
 import threading
@@ -201,6 +202,10 @@ class _QueueState(ServedObject):
             self.not_empty.notify()
 
     def get(self, block: bool = True, timeout: float | None = None) -> bytes:
+        """The owner's own get."""
+        return self._take(block, timeout)
+
+    def _take(self, block: bool = True, timeout: float | None = None) -> bytes:
         with self.not_empty:
             if not self.items:
                 if not block:
@@ -233,7 +238,7 @@ class _QueueState(ServedObject):
             return None
         if op == "get":
             block, timeout, most = args
-            blobs = [self.get(block, timeout)]
+            blobs = [self._take(block, timeout)]
             if most > 1:
                 blobs.extend(self._take_more(most - 1))
             # Leased until acknowledged: a holder that dies with them unread
@@ -241,7 +246,7 @@ class _QueueState(ServedObject):
             session.setdefault("pending", collections.deque()).extend(blobs)
             return blobs
         if op == "return":  # a consumer hands back items it leased, unread
-            self.disconnected(session)
+            self._give_back(session["pending"])
             session["pending"].clear()
             return NO_REPLY
         if op in ("qsize", "task_done", "join"):
@@ -273,11 +278,91 @@ class _QueueState(ServedObject):
     def disconnected(self, session: dict) -> None:
         pending = session.get("pending")
         if pending:
-            # Its consumer died (or hung up) before taking these: they go back
-            # to the front, in order.
+            # Its consumer died (or hung up) before taking these.
+            self._give_back(pending)
+
+    def _give_back(self, blobs: Any) -> None:
+        """Items handed out and not taken go back to the front, in order
+        (they are still counted unfinished: they were never taken)."""
+        if blobs:
             with self.lock:
-                self.items.extendleft(reversed(pending))
-                self.not_empty.notify(len(pending))
+                self.items.extendleft(reversed(blobs))
+                self.not_empty.notify(len(blobs))
+
+
+class _JoinableState(_QueueState):
+    """A JoinableQueue's owner side: it also keeps each item another process
+    took until that process calls ``task_done`` for it, and re-delivers the
+    items of a process that dies first (at-least-once, as a Pool re-runs the
+    tasks of a dead worker), so ``join()`` still returns once they are done.
+
+    ``task_done`` does not say which item it is for: a holder's call retires
+    the oldest item that holder took (FIFO, the usual consumer loop); a call
+    from a process holding none retires the owner's own, else the oldest item
+    any holder took.  Items the owner takes itself are only counted: they die
+    with it, and so does the queue.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.holding: dict[int, dict] = {}  # id(session) -> session with taken items
+        self.own_taken = 0
+        self._seq = itertools.count()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> bytes:
+        blob = self._take(block, timeout)
+        with self.lock:
+            self.own_taken += 1
+        return blob
+
+    def task_done(self) -> None:
+        self._task_done(None)
+
+    def _task_done(self, session: dict | None) -> None:
+        with self.lock:
+            if self.unfinished <= 0:
+                raise ValueError("task_done() called too many times")
+            if session is not None and session.get("taken"):
+                self._retire(session)
+            elif self.own_taken:
+                self.own_taken -= 1
+            elif self.holding:
+                oldest = min(self.holding.values(), key=lambda h: h["taken"][0][0])
+                self._retire(oldest)
+            self.unfinished -= 1
+            if self.unfinished == 0:
+                self.all_done.notify_all()
+
+    def _retire(self, session: dict) -> None:
+        taken = session["taken"]
+        taken.popleft()
+        if not taken:
+            self.holding.pop(id(session), None)
+
+    def serve(self, op: str, args: tuple, session: dict) -> Any:
+        if op == "task_done":
+            return self._task_done(session)
+        return super().serve(op, args, session)
+
+    def serve_raw(self, raw: bytes, session: dict) -> None:
+        if raw[:1] != b"A":
+            return super().serve_raw(raw, session)
+        blob = session["pending"].popleft()  # taken: in hand until task_done
+        with self.lock:
+            session.setdefault("taken", collections.deque()).append(
+                (next(self._seq), blob)
+            )
+            self.holding[id(session)] = session
+
+    def disconnected(self, session: dict) -> None:
+        super().disconnected(session)
+        with self.lock:
+            taken = session.pop("taken", None)
+            self.holding.pop(id(session), None)
+        if taken:
+            # Its process ended before task_done: run them again (first, in
+            # the order they were taken), still counted as unfinished.
+            self._give_back([blob for _, blob in taken])
 
 
 def _rebuild(cls: type, ref: tuple) -> Any:
@@ -358,6 +443,10 @@ class Queue:
             return pickle.loads(target.get(block, timeout))
         with self._get_lock:
             if not self._buffer:
+                if self._feeder is not None:
+                    # This process's own puts first: a get would otherwise
+                    # hold the connection while they wait behind it.
+                    self._feeder.flush()
                 # A consumer that comes back within 2 ms is draining the queue
                 # in a loop: lease it a few items per round trip.  A slow one
                 # takes one at a time, so items never wait behind its work.
@@ -439,7 +528,14 @@ class Queue:
 
 
 class JoinableQueue(Queue):
-    """``multiprocessing.JoinableQueue``: a :class:`Queue` with ``task_done``/``join``."""
+    """``multiprocessing.JoinableQueue``: a :class:`Queue` with ``task_done``/``join``.
+
+    An item a process took is re-delivered if that process ends (dies, or
+    closes its connection) before its ``task_done``: delivery is at least
+    once, and ``join()`` returns once every item has been done by someone.
+    """
+
+    _served = _JoinableState
 
     def task_done(self) -> None:
         """One item taken earlier is processed; ``ValueError`` if called too often."""

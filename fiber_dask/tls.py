@@ -7,23 +7,8 @@ channel (Pool loops, Process launchers), object server (Queues, Pipes, Locks)
 and Manager -- is TLS too: mutually authenticated by the cluster's CA, with the
 authkey HMAC handshake still run on top.  Without TLS nothing changes: plain
 ``multiprocessing.connection.Connection`` objects, the fast paths as they were.
-
-Which mode a process uses (:func:`mode`), first match wins:
-
-1. what the process that started it fixed with :func:`pin` (a Manager's server
-   process gets its owner's mode);
-2. the cluster handle fiber-dask resolved in this process: its client's
-   ``security`` and scheduler address;
-3. inside a Dask worker: the worker's ``security`` and address;
-4. a default ``distributed.Client`` (when no scheduler is configured);
-5. Dask's config: ``distributed.comm.require-encryption`` or a configured
-   ``tls://`` scheduler address, with the ``distributed.comm.tls.*``
-   certificates (what a Process child gets from its launcher).
-
-TLS is on when that cluster uses it; the certificate is the process's own in
-Dask's terms (a worker's, else a client's).  Servers listen with
-``Security.get_listen_args(role)``'s context and clients connect with
-``get_connection_args(role)``'s: both require the peer's certificate.
+Which mode and certificate a process uses is decided in
+:mod:`fiber_dask.security`; this module holds the connection.
 
 On the wire, a TLS endpoint first sends one length-prefixed frame in clear,
 :data:`HELLO`, then runs the TLS handshake.  A plaintext client reads it where
@@ -47,13 +32,13 @@ from __future__ import annotations
 import select
 import socket
 import struct
-import sys
 import threading
 import time
 from multiprocessing import AuthenticationError, BufferTooShort
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from . import security
 from .errors import TLSConnectionError
 
 # Nothing here imports ``ssl`` or ``distributed`` until TLS is in use: a
@@ -73,13 +58,14 @@ def _ssl() -> Any:
 __all__ = [
     "HELLO",
     "TLSConnection",
-    "client_context",
     "connect",
-    "export",
+    "handshake_error",
     "is_hello",
-    "mode",
-    "pin",
-    "server_context",
+    "message_view",
+    "receive_into",
+    "record_length",
+    "required_error",
+    "server_object",
 ]
 
 #: The clear-text frame a TLS endpoint sends before its handshake.  Short
@@ -91,12 +77,33 @@ HELLO = (
 _HELLO_TAG = b"#FIBER-TLS#"
 _CHALLENGE_TAG = b"CHALLENGE#"  # the end of fiber-dask's and the stdlib's tags
 
-_RECORD_HEADER = 5
+RECORD_HEADER = 5  # bytes of a TLS record's header
 _RECORD_MAX = 16384 + 2048  # the largest TLS record body (TLS 1.2 ciphertext)
 _PLAIN_MAX = 16384  # the most plaintext one record holds
 _CONTENT_TYPES = (20, 21, 22, 23, 24)
 _WRITE_CHUNK = 256 * 1024  # plaintext encrypted and sent at a time
 _SMALL = 16384  # messages up to this size go in one write with their header
+
+
+def record_length(head: bytes) -> int:
+    """The body length of the TLS record whose 5-byte header is ``head``;
+    ``ssl.SSLError`` if it is not a TLS record header."""
+    _ssl()
+    length = int.from_bytes(head[3:5], "big")
+    if head[0] not in _CONTENT_TYPES or length > _RECORD_MAX:
+        raise ssl.SSLError(
+            f"the peer did not send TLS (got {head!r}): is it configured for TLS?"
+        )
+    return length
+
+
+def server_object(context: Any) -> tuple[Any, Any, Any]:
+    """``(sslobj, incoming, outgoing)``: the server end of a TLS connection
+    over two memory buffers, for a caller that moves the bytes itself (the
+    handshake gate; then :meth:`TLSConnection.adopt`)."""
+    _ssl()
+    inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
+    return context.wrap_bio(inbio, outbio, server_side=True), inbio, outbio
 
 
 def is_hello(message: bytes) -> bool:
@@ -160,11 +167,16 @@ class TLSConnection:
         self, sock: socket.socket, context: ssl.SSLContext, server_side: bool
     ) -> None:
         _ssl()
+        inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
+        sslobj = context.wrap_bio(inbio, outbio, server_side=server_side)
+        self._setup(sock, sslobj, inbio, outbio)
+
+    def _setup(self, sock: socket.socket, sslobj: Any, inbio: Any, outbio: Any) -> None:
         self._sock = sock
         self._fd = sock.fileno()
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self._ssl = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self._in = inbio
+        self._out = outbio
+        self._ssl = sslobj
         self._ssl_lock = threading.Lock()  # the SSL object and its buffers
         self._send_lock = threading.Lock()  # one writer at a time, records in order
         self._recv_lock = threading.Lock()  # one reader at a time
@@ -187,6 +199,25 @@ class TLSConnection:
         else call :meth:`handshake`."""
         conn = cls(sock, context, server_side=True)
         conn._lazy = lazy
+        return conn
+
+    @classmethod
+    def adopt(
+        cls,
+        sock: socket.socket,
+        sslobj: Any,
+        inbio: Any,
+        outbio: Any,
+        head: bytes = b"",
+        left: int = 0,
+    ) -> TLSConnection:
+        """A connection whose TLS handshake was run elsewhere (by
+        :mod:`fiber_dask.gate`) on ``sslobj`` over these memory buffers;
+        ``head``/``left``: the part of a record header read so far and the
+        bytes of the current record still on the socket."""
+        conn = cls.__new__(cls)
+        conn._setup(sock, sslobj, inbio, outbio)
+        conn._head, conn._left = head, left
         return conn
 
     def __repr__(self) -> str:
@@ -258,20 +289,14 @@ class TLSConnection:
         the end of the stream, ``BlockingIOError`` if ``flags`` say not to
         wait and nothing is there."""
         if self._left == 0:
-            data = self._sock.recv(_RECORD_HEADER - len(self._head), flags)
+            data = self._sock.recv(RECORD_HEADER - len(self._head), flags)
             if not data:
                 raise EOFError
             self._head += data
-            if len(self._head) < _RECORD_HEADER:
+            if len(self._head) < RECORD_HEADER:
                 return
             head, self._head = self._head, b""
-            length = int.from_bytes(head[3:5], "big")
-            if head[0] not in _CONTENT_TYPES or length > _RECORD_MAX:
-                raise ssl.SSLError(
-                    f"the peer did not send TLS (got {head!r}): is it configured "
-                    "for TLS?"
-                )
-            self._left = length
+            self._left = record_length(head)
             with self._ssl_lock:
                 self._in.write(head)
             return
@@ -500,7 +525,7 @@ def connect(
             if _CHALLENGE_TAG in first:
                 raise TLSConnectionError(
                     f"{where} does not use TLS, but this process's Dask cluster does "
-                    f"({mode_source()}): refusing to send data in clear. The process "
+                    f"({security.mode_source()}): refusing to send data in clear. The process "
                     "that owns the endpoint must use the same Dask security settings."
                 )
             raise AuthenticationError(f"{where} did not speak the fiber-dask handshake")
@@ -528,7 +553,7 @@ def required_error(where: str) -> TLSConnectionError:
     :data:`HELLO`; ``where`` names the endpoint."""
     return TLSConnectionError(
         f"{where} requires TLS (its Dask cluster uses TLS) but this process has "
-        f"no TLS for its direct connections ({mode_source()}): give it the "
+        f"no TLS for its direct connections ({security.mode_source()}): give it the "
         "cluster's TLS settings (distributed.comm.tls.*, require-encryption)"
     )
 
@@ -544,214 +569,3 @@ def handshake_error(e: BaseException, where: str) -> BaseException:
         err.__cause__ = e
         return err
     return e
-
-
-# --------------------------------------------------------------- the mode
-
-_UNSET: Any = object()
-_pinned: Any = _UNSET  # (Security | None, role, source) fixed by pin()
-_contexts: dict = {}
-_contexts_lock = threading.Lock()
-_ROLES = ("client", "worker", "scheduler")
-
-
-def pin(
-    settings: dict | None, source: str = "the process that started this one"
-) -> None:
-    """Fix this process's mode: ``settings`` from :func:`export` (TLS) or
-    None (no TLS), whatever the config says."""
-    global _pinned
-    if settings is None:
-        _pinned = (None, None, source)
-        return
-    from distributed.security import Security
-
-    settings = dict(settings)
-    role = settings.pop("role")
-    _pinned = (Security(**settings), role, source)
-
-
-def export() -> dict | None:
-    """This process's mode, to :func:`pin` in another process: the
-    ``Security`` arguments of its certificate (as a client's), or None."""
-    security, role, _ = mode()
-    if security is None:
-        return None
-    tls = security.get_tls_config_for_role(role)
-    settings = {
-        "role": "client",
-        "require_encryption": True,
-        "tls_ca_file": tls["ca_file"],
-        "tls_client_cert": tls["cert"],
-        "tls_client_key": tls["key"],
-        "tls_min_version": security.tls_min_version,
-        "tls_max_version": security.tls_max_version,
-    }
-    if tls.get("ciphers"):
-        settings["tls_ciphers"] = tls["ciphers"]
-    return settings
-
-
-def dask_config(settings: dict | None) -> dict:
-    """Dask config that makes a new ``Security()`` (and so a client of the
-    scheduler) use the certificate of :func:`export`'s ``settings``."""
-    if settings is None:
-        return {}
-    names = {
-        "tls_ca_file": "distributed.comm.tls.ca-file",
-        "tls_client_cert": "distributed.comm.tls.client.cert",
-        "tls_client_key": "distributed.comm.tls.client.key",
-        "tls_ciphers": "distributed.comm.tls.ciphers",
-    }
-    config = {"distributed.comm.require-encryption": True}
-    for key, name in names.items():
-        if settings.get(key):
-            config[name] = settings[key]
-    return config
-
-
-def mode(client: Any = None) -> tuple[Any, str | None, str]:
-    """``(security, role, source)``: the ``distributed.Security`` whose
-    certificate of ``role`` this process's direct connections use, or None
-    for no TLS; ``source`` says where that was decided (for errors).
-    ``client``: the ``distributed.Client`` of the object the connection is
-    for (a Pool or Process made with ``client=``/``address=``), if known."""
-    if _pinned is not _UNSET:
-        return _pinned
-    if client is not None:
-        return _from_client(client, "the cluster of its Pool or Process")
-    from . import cluster
-
-    handle = cluster._handle
-    if handle is not None:
-        return _from_client(handle.client, "its fiber-dask cluster handle")
-    worker = _this_worker()
-    if worker is not None:
-        return _decide(
-            getattr(worker, "security", None),
-            _address_of(worker),
-            "worker",
-            "its Dask worker",
-        )
-    from . import config
-    from .backends.address import configured_address
-
-    address, where = configured_address()
-    if not address and not config.get("backend"):
-        client = _default_client()
-        if client is not None:
-            return _from_client(client, "the default distributed.Client")
-    import dask.config
-
-    required = dask.config.get("distributed.comm.require-encryption", None)
-    if not required and not (address or "").startswith("tls://"):
-        return None, None, "Dask's config (no TLS)"
-    from distributed.security import Security
-
-    source = "distributed.comm.require-encryption" if required else where
-    return _decide(Security(), address or "", "client", source)
-
-
-def mode_source() -> str:
-    try:
-        return mode()[2]
-    except Exception as e:  # only for messages
-        return repr(e)
-
-
-def _address_of(obj: Any) -> str:
-    try:
-        return obj.address or ""
-    except Exception:
-        return ""
-
-
-def _from_client(client: Any, source: str) -> tuple:
-    try:
-        address = client.scheduler.address or ""
-    except AttributeError:
-        address = ""
-    return _decide(getattr(client, "security", None), address, "client", source)
-
-
-def _decide(security: Any, address: str, role: str, source: str) -> tuple:
-    uses_tls = address.startswith("tls://") or bool(
-        security is not None and security.require_encryption
-    )
-    if not uses_tls:
-        return None, None, f"{source} (no TLS)"
-    for r in (role, *_ROLES):
-        tls = security.get_tls_config_for_role(r) if security is not None else {}
-        if tls.get("ca_file") and tls.get("cert"):
-            return security, r, f"{source}: TLS"
-    raise TLSConnectionError(
-        f"this process's Dask cluster uses TLS ({source}) but it has no TLS "
-        "certificate and CA for fiber-dask's direct connections: configure "
-        "distributed.comm.tls.ca-file and a certificate (client/worker) as for Dask"
-    )
-
-
-def _this_worker() -> Any:
-    module = sys.modules.get("distributed.worker")
-    if module is None:  # not imported: this process runs no worker
-        return None
-    try:
-        return module.get_worker()
-    except ValueError:
-        pass
-    try:  # a thread of a worker process outside its tasks
-        for worker in list(module.Worker._instances):
-            if _address_of(worker):
-                return worker
-    except Exception:
-        pass
-    return None
-
-
-def _default_client() -> Any:
-    module = sys.modules.get("distributed.client")
-    if module is None:  # not imported: there is no client
-        return None
-    try:
-        return module._get_global_client()
-    except Exception:
-        return None
-
-
-def _context(server: bool, client: Any = None) -> ssl.SSLContext | None:
-    security, role, _ = mode(client)
-    if security is None:
-        return None
-    tls = security.get_tls_config_for_role(role)
-    key = (
-        server,
-        tls.get("ca_file"),
-        tls.get("cert"),
-        tls.get("key"),
-        tls.get("ciphers"),
-        security.tls_min_version,
-        security.tls_max_version,
-    )
-    _ssl()
-    with _contexts_lock:
-        ctx = _contexts.get(key)
-        if ctx is None:
-            if server:
-                ctx = security.get_listen_args(role)["ssl_context"]
-                ctx.num_tickets = 0  # nothing after the handshake: no resumption
-            else:
-                ctx = security.get_connection_args(role)["ssl_context"]
-            ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
-            _contexts[key] = ctx
-        return ctx
-
-
-def server_context(client: Any = None) -> ssl.SSLContext | None:
-    """The context endpoints of this process listen with, or None (no TLS);
-    ``client`` as for :func:`mode`."""
-    return _context(True, client)
-
-
-def client_context() -> ssl.SSLContext | None:
-    """The context this process connects with, or None (no TLS)."""
-    return _context(False)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import pickle
 import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Connection
 
 import pytest
+from support.wait import wait_until
 
-from fiber_dask import channel
+from fiber_dask import channel, gate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,9 +46,7 @@ def server():
 
 def test_connect_with_the_authkey_reaches_the_service(server):
     conn = channel.connect(server.address, b"right-key", "echo", hello={"n": 1})
-    deadline = time.monotonic() + 5
-    while not server.got and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: server.got, 5, "the service's handler to get the connection")
     ((peer, hello),) = server.got
     assert hello == {"n": 1}
     conn.send_bytes(b"ping")
@@ -55,9 +56,11 @@ def test_connect_with_the_authkey_reaches_the_service(server):
 
 def test_wrong_authkey_is_rejected_and_nothing_is_unpickled(server):
     Boom.unpickled.clear()
+    stats = gate.get_gate().stats
+    rejected = stats["rejected"]
     with pytest.raises(multiprocessing.AuthenticationError):
         channel.connect(server.address, b"wrong-key", "echo", hello=Boom())
-    time.sleep(0.2)
+    wait_until(lambda: stats["rejected"] > rejected, 5, "the gate to reject the peer")
     assert server.got == []
     assert not Boom.unpickled.is_set()
 
@@ -118,37 +121,169 @@ def test_silent_peer_does_not_block_other_connections(server):
         silent.close()
 
 
-def test_silent_peers_cannot_multiply_handshake_threads(monkeypatch):
-    """A flood of connections that never authenticate holds at most
-    _MAX_HANDSHAKES threads; a real peer still gets in once they time out, and
-    served connections do not count against the limit."""
-    monkeypatch.setattr(channel, "_MAX_HANDSHAKES", 2)
-    monkeypatch.setattr(channel, "_HANDSHAKE_TIMEOUT", 0.5)
+def _read_challenge(sock: socket.socket) -> bytes:
+    (size,) = struct.unpack("!i", _recv_exactly(sock, 4))
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closed ``sock`` within ``timeout`` s (EOF or reset)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def test_a_partial_frame_does_not_extend_the_handshake_deadline(monkeypatch):
+    """The deadline covers the whole handshake: a peer that sends the length
+    header of its answer a byte at a time (each byte well within any per-read
+    timeout) is still dropped when the handshake's time is up."""
+    monkeypatch.setattr(gate, "HANDSHAKE_TIMEOUT", 1.0)
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    try:
+        sock = socket.create_connection(s.address)
+        assert _read_challenge(sock).startswith(b"#FIBER-CHALLENGE#")
+        t0 = time.monotonic()
+        closed = False
+        for byte in struct.pack("!i", 32) + b"x" * 32:  # 36 bytes, 0.2 s apart
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            if _closed_by_server(sock, 0.2):
+                closed = True
+                break
+        elapsed = time.monotonic() - t0
+        assert closed, "the server kept a trickling peer past its deadline"
+        assert elapsed < 3.0, f"dropped only after {elapsed:.1f} s"
+        sock.close()
+    finally:
+        s.close()
+
+
+def test_stalled_peers_of_one_address_are_bounded_and_cannot_lock_out(monkeypatch):
+    """Handshakes in progress from one address are bounded: a new one drops
+    the oldest, so a flood of silent sockets holds no thread and no slot a
+    real client needs; the real client gets in at once."""
+    monkeypatch.setattr(gate, "MAX_PER_PEER", 4)
+    g = gate.get_gate()
     s = channel.ChannelServer("127.0.0.1", b"right-key")
     served: list = []
-    s.register("hold", lambda conn, hello: served.append(conn))  # kept open
+    s.register("hold", lambda conn, hello: served.append(conn))
     silent = []
     try:
-        for _ in range(3):  # more long-lived served connections than the limit
-            channel.connect(s.address, b"right-key", "hold")
-        for _ in range(6):
+        threads_before = threading.active_count()
+        for _ in range(20):
             silent.append(socket.create_connection(s.address))
-        time.sleep(0.2)
-        handshaking = [
-            t for t in threading.enumerate() if t.name == "fiber-channel-handshake"
-        ]
-        assert len(handshaking) <= 2
+        # The 16 oldest are dropped (they see EOF after the challenge) ...
+        for sock in silent[:16]:
+            _read_challenge(sock)
+            assert _closed_by_server(sock, 5), "an old stalled socket was kept"
+        # ... and nothing per connection is left behind: no thread each.
+        assert threading.active_count() <= threads_before + 1
         t0 = time.monotonic()
         conn = channel.connect(s.address, b"right-key", "hold", timeout=10)
-        assert time.monotonic() - t0 < 5  # the silent ones time out in turn
-        deadline = time.monotonic() + 5
-        while len(served) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the handler runs just after the peer's "OK"
-        assert len(served) == 4
+        assert time.monotonic() - t0 < 2  # no wait for the stalled ones' deadline
+        wait_until(lambda: served, 5, "the service to get the real client")
+        assert g.stats["evicted-peer"] >= 16
         conn.close()
     finally:
         for sock in silent:
             sock.close()
         for conn in served:
             conn.close()
+        s.close()
+
+
+def test_rejections_are_logged_once_per_address_and_interval(monkeypatch, caplog):
+    """A flood of bad peers costs one log line per address per interval,
+    then one line with the count of the others."""
+    monkeypatch.setattr(gate, "LOG_INTERVAL", 1.0)
+    g = gate.get_gate()
+    g._log._windows.clear()  # earlier tests' windows
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    caplog.set_level(logging.WARNING, logger="fiber_dask.gate")
+    try:
+        rejected = g.stats["rejected"]
+        for _ in range(20):
+            sock = socket.create_connection(s.address)
+            sock.sendall(b"\xff" * 16)  # junk: a negative frame length
+            sock.close()
+        wait_until(lambda: g.stats["rejected"] >= rejected + 20, 10, "20 rejections")
+        wait_until(
+            lambda: any("more connection" in r.getMessage() for r in caplog.records),
+            10,
+            "the line with the count of the others",
+        )
+        lines = [
+            r.getMessage() for r in caplog.records if "127.0.0.1" in r.getMessage()
+        ]
+        assert len(lines) == 2, lines
+        assert "rejected a connection from 127.0.0.1" in lines[0]
+        assert "rejected 19 more connection(s) from 127.0.0.1" in lines[1]
+    finally:
+        s.close()
+        g._log._windows.clear()
+
+
+def test_a_server_that_stalls_mid_frame_cannot_hold_a_client():
+    """The client's side is bounded too: a 'server' that sends part of its
+    challenge and stops makes connect() fail, not hang."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+
+    def serve():
+        sock, _ = listener.accept()
+        accepted.append(sock)
+        sock.sendall(struct.pack("!i", 49) + b"#FIBER-CHAL")  # 11 of 49 bytes
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(channel.ChannelError, match="stalled"):
+            channel.connect(listener.getsockname(), b"right-key", "echo", timeout=1)
+        assert time.monotonic() - t0 < 10
+    finally:
+        for sock in accepted:
+            sock.close()
+        listener.close()
+
+
+def test_the_total_bound_drops_the_oldest_at_once(monkeypatch):
+    """Beyond MAX_PENDING handshakes in all, each new connection drops the
+    oldest one waiting (descriptors are what a flood would exhaust)."""
+    monkeypatch.setattr(gate, "MAX_PENDING", 8)
+    g = gate.get_gate()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    silent = []
+    try:
+        for _ in range(20):
+            silent.append(socket.create_connection(s.address))
+        for sock in silent[:12]:
+            _read_challenge(sock)
+            assert _closed_by_server(sock, 5), "an old stalled socket was kept"
+        wait_until(lambda: g.pending() <= 8, 5, "at most 8 handshakes in progress")
+        # A real client still authenticates (and hears there is no such service).
+        with pytest.raises(channel.ChannelError, match="no service"):
+            channel.connect(s.address, b"right-key", "nope", timeout=10)
+    finally:
+        for sock in silent:
+            sock.close()
         s.close()

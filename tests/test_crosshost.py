@@ -1,4 +1,4 @@
-"""fiber-dask across real hosts: network namespaces on this machine (``netns.py``).
+"""fiber-dask across real hosts: network namespaces on this machine (``support/netns.py``).
 
 One network per protocol (every test runs twice: plain TCP, and Dask's TLS
 required with certificates made for the run): a scheduler host, three worker
@@ -32,7 +32,7 @@ import secrets
 import time
 
 import pytest
-from netns import DaskCluster, Network, make_tls_files, unavailable
+from support.netns import DaskCluster, Network, make_tls_files, unavailable
 
 _REASON = unavailable()
 pytestmark = [

@@ -328,6 +328,48 @@ def _drain_and_mark_done(q):
         q.task_done()
 
 
+def _take_ten_then_hang(q, marker):
+    """Take 10 items, mark the first 5 done, then wait to be killed."""
+    for i in range(10):
+        q.get(timeout=30)
+        if i < 5:
+            q.task_done()
+    with open(marker, "w") as f:
+        f.write("taken")
+    time.sleep(600)
+
+
+def test_joinable_queue_redelivers_what_a_killed_consumer_did_not_finish(
+    fiber_ctx, tmp_path
+):
+    """A consumer SIGKILLed after its 10th get, 5 of them unfinished: those
+    5 are delivered again (at-least-once), so join() still returns once the
+    survivors have done every item."""
+    from support.wait import wait_for_file, wait_until
+
+    q = fiber_ctx.JoinableQueue()
+    for i in range(200):
+        q.put(i)
+    marker = str(tmp_path / "taken")
+    p = fiber_ctx.Process(target=_take_ten_then_hang, args=(q, marker))
+    p.start()
+    wait_for_file(marker, 60)
+    p.kill()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    received = []
+    while len(received) < 195:
+        received.append(q.get(timeout=30))
+        q.task_done()
+    joined = threading.Event()
+    threading.Thread(target=lambda: (q.join(), joined.set()), daemon=True).start()
+    wait_until(joined.is_set, 10, "join() after every item was done")
+    # The 5 taken but not done came back first; the 5 done did not.
+    assert received[:5] == [5, 6, 7, 8, 9]
+    assert sorted(received) == list(range(5, 200))
+    assert q.empty()
+
+
 def ping(conn, n):
     for _ in range(n):
         conn.send(conn.recv() + 1)

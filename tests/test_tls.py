@@ -8,7 +8,7 @@ The cross-host tests (``test_crosshost.py``, TLS variant) check the same on
 real hosts, with a capture at the switch.
 
 Certificates are Dask's ``Security.temporary()`` (made in memory); the
-process's mode is pinned with ``tls.pin`` for a test and restored after.
+process's mode is pinned with ``security.pin`` for a test and restored after.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import time
 
 import pytest
 from distributed.security import Security
+from support.wait import wait_until
 
-from fiber_dask import channel, objserver, tls
+from fiber_dask import channel, gate, objserver, tls
+from fiber_dask import security as fiber_security
 from fiber_dask.errors import TLSConnectionError
 
 pytestmark = pytest.mark.timeout(90)
@@ -58,11 +60,11 @@ def pinned(security):
     default = _settings(security)
 
     def pin(settings=default):
-        tls.pin(settings, "the test")
+        fiber_security.pin(settings, "the test")
 
     pin()
     yield pin
-    tls._pinned = tls._UNSET
+    fiber_security._pinned = fiber_security._UNSET
     with channel._server_lock:
         for key in set(channel._servers) - servers_before:
             channel._servers.pop(key).close()
@@ -345,9 +347,7 @@ def tls_server(security):
 
 def test_tls_endpoint_works_with_a_tls_client(pinned, tls_server):
     conn = channel.connect(tls_server.address, KEY, "echo", hello={"n": 1})
-    deadline = time.monotonic() + 5
-    while not tls_server.got and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: tls_server.got, 5, "the service to get the connection")
     ((peer, hello),) = tls_server.got
     assert hello == {"n": 1} and isinstance(peer, tls.TLSConnection)
     conn.send_bytes(b"ping")
@@ -381,10 +381,42 @@ def test_tls_client_to_a_plaintext_endpoint_refuses_to_go_on(pinned):
 
 def test_a_certificate_from_another_ca_is_refused(pinned, tls_server):
     pinned(_settings(Security.temporary()))
+    stats = gate.get_gate().stats
+    rejected = stats["rejected"]
     with pytest.raises(TLSConnectionError, match="TLS"):
         channel.connect(tls_server.address, KEY, "echo", hello="x", timeout=10)
-    time.sleep(0.2)
+    wait_until(lambda: stats["rejected"] > rejected, 5, "the gate to reject it")
     assert tls_server.got == []
+
+
+def test_a_stalled_tls_handshake_is_dropped_at_the_deadline(
+    pinned, security, monkeypatch
+):
+    """The handshake deadline covers TLS too: a peer that sends part of a
+    ClientHello record and stalls is dropped when its time is up, and a real
+    TLS client is served meanwhile."""
+    monkeypatch.setattr(gate, "HANDSHAKE_TIMEOUT", 1.0)
+    s = channel.ChannelServer(
+        "127.0.0.1", KEY, security.get_listen_args("client")["ssl_context"]
+    )
+    got = []
+    s.register("echo", lambda conn, hello: got.append(conn))
+    try:
+        stalled = socket.create_connection(s.address, timeout=10)
+        (size,) = struct.unpack("!i", stalled.recv(4, socket.MSG_WAITALL))
+        assert stalled.recv(size, socket.MSG_WAITALL) == tls.HELLO
+        stalled.sendall(b"\x16\x03\x01\x02\x00" + b"\x01" * 40)  # of 512 bytes
+        t0 = time.monotonic()
+        conn = channel.connect(s.address, KEY, "echo", timeout=10)
+        wait_until(lambda: got, 5, "the real TLS client to be served")
+        assert stalled.recv(4096) == b""  # EOF: dropped
+        assert time.monotonic() - t0 < 4
+        conn.close()
+        stalled.close()
+    finally:
+        s.close()
+        for c in got:
+            c.close()
 
 
 class Boom:
@@ -498,18 +530,18 @@ def test_manager_speaks_tls_in_its_owners_mode(pinned, security, use_tls):
 
 
 def _square_and_mode(x):
-    from fiber_dask import tls
+    from fiber_dask import security as fiber_security
 
-    security, role, source = tls.mode()
+    security, role, source = fiber_security.mode()
     return x * x, security is not None, source
 
 
 def _exit_with_mode():
     import sys
 
-    from fiber_dask import tls
+    from fiber_dask import security
 
-    sys.exit(7 if tls.mode()[0] is not None else 3)
+    sys.exit(7 if security.mode()[0] is not None else 3)
 
 
 def test_pool_and_process_on_a_tls_cluster_speak_tls_with_its_workers():

@@ -21,7 +21,7 @@ namespaces left by a run that was SIGKILLed are removed by the next one.
 
 Using it (see ``test_crosshost.py`` for the fixtures)::
 
-    from netns import Network, DaskCluster, unavailable
+    from support.netns import Network, DaskCluster, unavailable
 
     reason = unavailable()            # None, or why namespaces cannot be made
     with Network(tmp_path) as net:    # torn down on exit, also after a failure
@@ -81,7 +81,8 @@ __all__ = [
     "make_tls_files",
 ]
 
-TESTS_DIR = Path(__file__).resolve().parent
+SUPPORT_DIR = Path(__file__).resolve().parent  # the helper programs
+TESTS_DIR = SUPPORT_DIR.parent
 REPO_DIR = TESTS_DIR.parent
 PREFIX = "fdx"
 
@@ -446,7 +447,7 @@ class Script:
         self.seen: list[dict] = []
         self.proc = host.spawn(
             sys.executable,
-            str(TESTS_DIR / script),
+            str(SUPPORT_DIR / script),
             *args,
             log=self.name,
             env=env,

@@ -1,0 +1,255 @@
+"""The worker side of a fiber-dask ``Process``: the launcher.
+
+A ``Process`` (:mod:`fiber_dask.process`, the parent's side) submits
+:func:`run_launcher` as one Dask task; it runs in a Dask worker process,
+connects back to the parent over the authenticated channel, starts the child
+(``python -m fiber_dask.processchild``) and relays for it::
+
+    Dask worker process                                 worker host
+    ───────────────────                                 ───────────
+    run_launcher ── connect, HMAC ──► parent's channel
+      ◄── ("payload", blob) ────────
+      Popen(python -m fiber_dask.processchild) ───────► child: reads the
+      ── ("started", pid) ──────────►                     payload on stdin,
+      ── ("out"|"err", bytes) ──────► ◄── pumps ───────── runs
+      ◄── ("signal", signum) ──────── os.kill(child)       BaseProcess._bootstrap
+      ── ("exit", returncode) ──────► child.wait()
+
+It returns a :class:`LaunchResult` saying how it ended; the parent reads it
+only when no launcher ever connected (to say why in ``Process.reason``).  The
+launcher secedes from the worker's thread pool once the child runs, so a
+running Process does not hold a task slot.  Mirrors
+:mod:`fiber_dask.poolworker`, the worker side of a Pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from . import channel
+
+__all__ = ["LaunchResult", "Outcome", "run_launcher", "launch_beside_tasks"]
+
+_PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
+
+
+class Outcome(enum.Enum):
+    """How a launcher ended."""
+
+    EXITED = "exited"  # the child ran and exited; its status went to the parent
+    REFUSED = "refused"  # another launcher already runs this Process, or it ended
+    PARENT_LOST = "parent-lost"  # the parent's connection dropped: child killed
+    UNREACHABLE = "unreachable"  # the parent's address cannot be reached from here
+    FAILED = "failed"  # the child could not be started
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """A launcher task's result: its :class:`Outcome` and, for
+    ``UNREACHABLE`` and ``FAILED``, what went wrong (for ``Process.reason``)."""
+
+    outcome: Outcome
+    detail: str = ""
+
+
+def run_launcher(
+    address: tuple[str, int], authkey: bytes, service: str, worker: Any = None
+) -> LaunchResult:
+    """Body of a Process's Dask task: start the child and relay for it.
+
+    Returns how it ended (see :class:`Outcome`); for ``UNREACHABLE`` the
+    error, which the parent puts in :attr:`fiber_dask.Process.reason`.
+    """
+    try:
+        if worker is None:
+            from distributed import get_worker
+
+            worker = get_worker()
+        worker_address = worker.address
+        scheduler_address = worker.scheduler.address
+        security = getattr(worker, "security", None)
+    except (ImportError, ValueError):
+        worker_address = scheduler_address = security = None
+    try:
+        conn = channel.connect(
+            address,
+            authkey,
+            service,
+            hello={"pid": os.getpid(), "worker": worker_address},
+        )
+    except channel.ChannelError as e:
+        if isinstance(e.__cause__, OSError):  # the parent's address, from this host
+            return LaunchResult(Outcome.UNREACHABLE, str(e))
+        return LaunchResult(Outcome.REFUSED)
+    except OSError as e:
+        return LaunchResult(Outcome.UNREACHABLE, str(e))
+    try:
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return LaunchResult(Outcome.REFUSED)
+        assert kind == "payload"
+        _secede()
+        return _launch(conn, payload, worker_address, scheduler_address, security)
+    finally:
+        channel.hangup(conn)
+
+
+def launch_beside_tasks(address, authkey, service, dask_worker=None) -> None:
+    """Run a launcher in a thread of this worker process, outside its task
+    slots (``client.run`` calls this on the worker's event loop: return at once)."""
+    threading.Thread(
+        target=run_launcher,
+        args=(address, authkey, service, dask_worker),
+        name="fiber-process-launcher",
+        daemon=True,
+    ).start()
+
+
+def _secede() -> None:
+    """Give the worker thread back: the child, not this task, does the work."""
+    try:
+        from distributed import secede
+
+        secede()
+    except Exception:  # not inside a Dask task (tests), or an old distributed
+        pass
+
+
+def _child_env(
+    worker_address: str | None, scheduler_address: str | None, security: Any = None
+) -> dict:
+    env = dict(os.environ)
+    env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
+    # The worker's import path (a spawned worker has its parent's, the script's
+    # directory included), as the stdlib hands sys.path to its children.
+    env["FIBER_DASK_SYS_PATH"] = json.dumps(sys.path)
+    if scheduler_address:
+        # Nested Pool/Process/Queue in the child attach to this same cluster,
+        # whatever backend the parent's configuration names.
+        env["DASK_SCHEDULER_ADDRESS"] = scheduler_address
+        env["DASK_FIBER__BACKEND"] = "address"
+        env["DASK_FIBER__ADDRESS"] = scheduler_address
+    if worker_address:
+        from distributed.comm import get_address_host
+
+        env["DASK_FIBER__LISTEN_HOST"] = get_address_host(worker_address)
+    env.update(_security_env(security))
+    return env
+
+
+def _security_env(security: Any) -> dict:
+    """Dask config (as environment) that lets the child connect to the
+    scheduler as its worker does: a worker started with ``--tls-*`` options
+    has its certificates in its Security object, not in its config, so a
+    child attaching over ``tls://`` would have no TLS context without this."""
+    if security is None or not (security.require_encryption or security.tls_ca_file):
+        return {}
+    prefix = "DASK_DISTRIBUTED__COMM__"
+    env = {f"{prefix}REQUIRE_ENCRYPTION": str(bool(security.require_encryption))}
+    values = {
+        "TLS__CA_FILE": security.tls_ca_file,
+        "TLS__CIPHERS": security.tls_ciphers,
+        # The child is a client of the scheduler; a worker's own certificate
+        # serves when no client certificate was given.
+        "TLS__CLIENT__CERT": security.tls_client_cert or security.tls_worker_cert,
+        "TLS__CLIENT__KEY": security.tls_client_key or security.tls_worker_key,
+    }
+    for key, value in values.items():
+        if value:
+            env[prefix + key] = value
+    return env
+
+
+def _launch(
+    conn: Any, payload: bytes, worker_address, scheduler_address, security=None
+) -> LaunchResult:
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> bool:
+        with send_lock:
+            try:
+                conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                return True
+            except OSError:
+                return False
+
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "fiber_dask.processchild"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_child_env(worker_address, scheduler_address, security),
+            close_fds=True,
+        )
+    except OSError as e:
+        why = f"cannot start the child process on {worker_address}: {e}"
+        send(("error", why))
+        return LaunchResult(Outcome.FAILED, why)
+    send(("started", child.pid))
+    try:
+        child.stdin.write(struct.pack("!Q", len(payload)) + payload)
+        child.stdin.flush()
+    except OSError:
+        pass  # the child died already; its exit status tells why
+    del payload
+
+    state = {"exited": False, "parent_lost": False}
+
+    def pump(stream: Any, kind: str) -> None:
+        fd = stream.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            send((kind, data))
+
+    def control() -> None:
+        while True:
+            try:
+                kind, arg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+                if not state["exited"]:
+                    state["parent_lost"] = True
+                    try:
+                        child.kill()  # the parent is gone: so is its child
+                    except OSError:
+                        pass
+                return
+            if kind == "signal":
+                try:
+                    child.send_signal(arg)  # no-op once the child is reaped
+                except OSError:
+                    pass
+
+    pumps = [
+        threading.Thread(target=pump, args=(child.stdout, "out"), daemon=True),
+        threading.Thread(target=pump, args=(child.stderr, "err"), daemon=True),
+    ]
+    for t in pumps:
+        t.start()
+    threading.Thread(target=control, name="fiber-process-control", daemon=True).start()
+    returncode = child.wait()
+    for t in pumps:  # a grandchild may hold the pipes open: do not wait forever
+        t.join(_PIPE_DRAIN)
+    state["exited"] = True
+    send(("exit", returncode))
+    for f in (child.stdin, child.stdout, child.stderr):
+        try:
+            f.close()
+        except OSError:
+            pass
+    return LaunchResult(Outcome.PARENT_LOST if state["parent_lost"] else Outcome.EXITED)
