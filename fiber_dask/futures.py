@@ -160,10 +160,22 @@ def _dumps(value: Any) -> bytes:
 
 
 def _dumps_error(exc: BaseException) -> bytes:
-    return pickle.dumps(
-        _ExceptionWithTraceback(exc, exc.__traceback__),
-        protocol=pickle.HIGHEST_PROTOCOL,
-    )
+    # Without the reducers other libraries register for exceptions: distributed
+    # installs tblib's, which drops the arguments of exceptions with their own
+    # __init__ (SystemExit(3) would arrive with code None).  The stdlib's
+    # workers pickle with the exceptions' own __reduce__, and so do we.
+    import copyreg
+    import io
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {
+        k: v
+        for k, v in copyreg.dispatch_table.items()
+        if not (isinstance(k, type) and issubclass(k, BaseException))
+    }
+    pickler.dump(_ExceptionWithTraceback(exc, exc.__traceback__))
+    return buf.getvalue()
 
 
 class _Chunked:
