@@ -528,3 +528,27 @@ def test_fiber_swap_gives_the_script_fiber_dasks_executor(tmp_path):
     assert plain.returncode == 0, plain.stderr
     kinds = {e[0]: e[1:] for e in marked(plain.stdout)}["kinds"]
     assert kinds == ["concurrent.futures.process"] * 5
+
+
+# -------------------------------------------------------------- real clients
+
+
+def _nevergrad_minimize(executor):
+    import nevergrad as ng
+
+    param = ng.p.Array(shape=(3,))
+    param.random_state.seed(12)
+    optimizer = ng.optimizers.OnePlusOne(
+        parametrization=param, budget=24, num_workers=2
+    )
+    recommendation = optimizer.minimize(hf.sphere, executor=executor, batch_mode=True)
+    return recommendation.value.tolist(), optimizer.num_tell
+
+
+def test_nevergrad_minimize_with_an_executor(make_executor):
+    pytest.importorskip("nevergrad")
+    import nevergrad as ng
+
+    expected = _nevergrad_minimize(ng.optimization.utils.SequentialExecutor())
+    assert expected[1] == 24
+    assert _nevergrad_minimize(make_executor()) == expected
