@@ -562,3 +562,34 @@ def test_nevergrad_minimize_with_an_executor(make_executor):
     expected = _nevergrad_minimize(ng.optimization.utils.SequentialExecutor())
     assert expected[1] == 24
     assert _nevergrad_minimize(make_executor()) == expected
+
+
+# --------------------------------------------------------------- benchmark
+
+
+@pytest.mark.timeout(300)
+def test_executor_benchmark_runs(tmp_path):
+    """benchmarks/executor.py end to end, tiny: every executor gets results
+    (no timing is asserted; the figures are what the benchmark reports)."""
+    import json
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "executor.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "executor.py")]
+        + ["--engines", "stdlib,fiber_dask,loky", "--repeats", "1"]
+        + ["--ideal", "0.05", "--latency-calls", "5", "--idle-seconds", "0"]
+        + ["--quiet", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    for name in ("stdlib", "fiber_dask", "loky"):
+        assert report["engines"][name]["failed"] is None, report["engines"][name]
+        assert len(report["engines"][name]["round_trip_s"]) == 1
+    for case in report["cases"]:
+        assert set(case["elapsed_s"]) == {"stdlib", "fiber_dask", "loky"}
