@@ -593,3 +593,36 @@ def test_executor_benchmark_runs(tmp_path):
         assert len(report["engines"][name]["round_trip_s"]) == 1
     for case in report["cases"]:
         assert set(case["elapsed_s"]) == {"stdlib", "fiber_dask", "loky"}
+
+
+EXIT_SCRIPT = """\
+import sys
+import fiber_dask.futures
+import helpers_futures as hf
+
+if __name__ == "__main__":
+    ex = fiber_dask.futures.ProcessPoolExecutor(1)
+    gate, marker = sys.argv[1], sys.argv[2]
+    ex.submit(hf.block_until, gate)
+    ex.submit(open, marker, "w")  # queued behind it; no shutdown() before exit
+    open(gate, "w").close()
+"""
+
+
+def test_fiber_calls_pending_at_exit_are_completed_first(tmp_path):
+    """As the stdlib: the interpreter waits for submitted calls before it exits."""
+    import subprocess
+
+    script = tmp_path / "exit_script.py"
+    script.write_text(EXIT_SCRIPT)
+    marker = tmp_path / "marker"
+    env = {**os.environ, "DASK_FIBER__LOCAL__N_WORKERS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "gate"), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists()
