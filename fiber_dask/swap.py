@@ -86,7 +86,8 @@ Limits
 * ``importlib.import_module("multiprocessing")`` does not go through ``__import__``
   and returns the stdlib module.
 * A user module that a worker had already imported before the run (a long-lived
-  shared cluster) keeps the binding it got then.
+  shared cluster) keeps the ``multiprocessing`` binding it got then (its
+  ``concurrent.futures`` names are rebound, see above).
 * User code outside the script's directory (an editable install of the user's own
   package) is only swapped when named in ``fiber.run.swap-modules``.
 * ``concurrent.futures``: what was *derived* from the stdlib's executor before the
