@@ -551,25 +551,36 @@ def test_fiber_swap_gives_the_script_fiber_dasks_executor(tmp_path):
 # -------------------------------------------------------------- real clients
 
 
-def _nevergrad_minimize(executor):
+def _nevergrad_minimize(executor, name, num_workers):
     import nevergrad as ng
 
     param = ng.p.Array(shape=(3,))
     param.random_state.seed(12)
-    optimizer = ng.optimizers.OnePlusOne(
-        parametrization=param, budget=24, num_workers=2
+    optimizer = ng.optimizers.registry[name](
+        parametrization=param, budget=24, num_workers=num_workers
     )
-    recommendation = optimizer.minimize(hf.sphere, executor=executor, batch_mode=True)
+    recommendation = optimizer.minimize(hf.sphere, executor=executor)
     return recommendation.value.tolist(), optimizer.num_tell
 
 
-def test_nevergrad_minimize_with_an_executor(make_executor):
+@pytest.mark.parametrize(
+    "name, num_workers",
+    [
+        # Two calls at a time; what it asks does not depend on the order results
+        # come back in, so every executor must give the sequential run's answer.
+        ("RandomSearch", 2),
+        # Ask, evaluate through the executor, tell: each step depends on the last.
+        ("OnePlusOne", 1),
+    ],
+)
+def test_nevergrad_minimize_with_an_executor(make_executor, name, num_workers):
     pytest.importorskip("nevergrad")
     import nevergrad as ng
 
-    expected = _nevergrad_minimize(ng.optimization.utils.SequentialExecutor())
+    sequential = ng.optimization.utils.SequentialExecutor()
+    expected = _nevergrad_minimize(sequential, name, num_workers)
     assert expected[1] == 24
-    assert _nevergrad_minimize(make_executor()) == expected
+    assert _nevergrad_minimize(make_executor(), name, num_workers) == expected
 
 
 # --------------------------------------------------------------- benchmark
