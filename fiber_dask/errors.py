@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures.process
 import multiprocessing
 
 __all__ = [
+    "BrokenProcessPool",
     "ClusterConnectionError",
     "ManagerConnectionError",
     "PoolTerminatedError",
@@ -44,4 +46,16 @@ class ManagerConnectionError(ConnectionError, EOFError):
 
     The stdlib raises ``EOFError`` or a ``ConnectionError`` here depending on the
     moment; this is both, so code written for either still catches it.
+    """
+
+
+class BrokenProcessPool(concurrent.futures.process.BrokenProcessPool):
+    """A ``fiber_dask.futures.ProcessPoolExecutor`` call could not be completed.
+
+    Raised where the stdlib's executor raises its ``BrokenProcessPool`` (this is a
+    subclass, so ``except concurrent.futures.process.BrokenProcessPool`` catches
+    it), with the reason as ``__cause__``: a call whose worker process died more
+    often than ``fiber.pool.allowed-failures`` allows (:class:`WorkerLostError`;
+    the other calls go on), an initializer that raised, or a pool terminated by
+    ``fiber_dask.shutdown()`` (the executor is then unusable, as in the stdlib).
     """

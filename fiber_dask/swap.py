@@ -1,4 +1,5 @@
-"""``fiber-dask run --swap-multiprocessing``: a legacy script's ``multiprocessing`` is fiber_dask.
+"""``fiber-dask run --swap-multiprocessing``: a legacy script's ``multiprocessing``
+(and ``concurrent.futures.ProcessPoolExecutor``) is fiber_dask's.
 
 An unmodified script (and the modules next to it) that says ``import multiprocessing``,
 ``import multiprocessing as mp``, ``from multiprocessing import Pool, Queue``,
@@ -47,6 +48,24 @@ What ``multiprocessing.X`` resolves to
   (``multiprocessing.dummy.connection``) follow their parent.
 * a name the stdlib does not have: the stdlib's own ``ModuleNotFoundError``.
 
+``concurrent.futures``
+----------------------
+The same importers get :class:`fiber_dask.futures.ProcessPoolExecutor` where they
+import the stdlib's: ``from concurrent.futures import ProcessPoolExecutor``,
+``import concurrent.futures [as cf]``, ``from concurrent import futures`` and
+``from concurrent.futures.process import ProcessPoolExecutor`` answer with
+:mod:`fiber_dask.futures` (every other name in it is the stdlib's own object:
+``as_completed``, ``Future``, ``ThreadPoolExecutor``, ...) or a stand-in
+``concurrent`` package whose ``futures`` is that module.  The real import runs
+first, so the stdlib's modules are loaded as usual for everyone else.
+
+User modules imported *before* the swap took effect in a process (a worker of a
+long-lived cluster that imported ``helper`` for an earlier run, a module named in
+``fiber.run.swap-modules`` that was already loaded) have their module-level names
+that are bound to the stdlib's ``concurrent``, ``concurrent.futures``,
+``concurrent.futures.process`` or ``ProcessPoolExecutor`` rebound when the swap
+is activated: exactly what the import statement would have bound.
+
 Where it is installed
 ---------------------
 * the ``fiber-dask run`` process, before the script runs (:func:`activate`);
@@ -67,9 +86,17 @@ Limits
 * ``importlib.import_module("multiprocessing")`` does not go through ``__import__``
   and returns the stdlib module.
 * A user module that a worker had already imported before the run (a long-lived
-  shared cluster) keeps the binding it got then.
+  shared cluster) keeps the ``multiprocessing`` binding it got then (its
+  ``concurrent.futures`` names are rebound, see above).
 * User code outside the script's directory (an editable install of the user's own
   package) is only swapped when named in ``fiber.run.swap-modules``.
+* ``concurrent.futures``: what was *derived* from the stdlib's executor before the
+  swap keeps it (a subclass of ``ProcessPoolExecutor``, a default argument, an
+  executor already created, a name bound inside a function or class); so do
+  libraries that create their own executor (they are not user modules), and
+  ``importlib.import_module("concurrent.futures")``.  ``isinstance(x,
+  concurrent.futures.ProcessPoolExecutor)`` holds for fiber-dask's executor (it
+  subclasses the stdlib's).
 * Names that fiber_dask's submodules lack are not filled in from the stdlib's:
   ``from multiprocessing.connection import Listener`` raises ``ImportError`` naming
   ``fiber_dask.connection``.
@@ -207,6 +234,7 @@ def activate(spec: Spec) -> None:
             _original_import = builtins.__import__
             builtins.__import__ = _swap_import
         _export()
+        _rebind_user_modules()
 
 
 def deactivate(key: str) -> None:
@@ -259,6 +287,16 @@ def _swap_import(
             globals = sys._getframe(1).f_globals
         if _is_user(globals):
             return _import_swapped(name, globals, locals, fromlist)
+    elif (
+        level == 0
+        and name.startswith(_CF_TOP)
+        and (len(name) == len(_CF_TOP) or name[len(_CF_TOP)] == ".")
+        and _active
+    ):
+        if globals is None:
+            globals = sys._getframe(1).f_globals
+        if _is_user(globals):
+            return _import_swapped_futures(name, globals, locals, fromlist)
     return _original_import(name, globals, locals, fromlist, level)
 
 
@@ -327,6 +365,92 @@ def _submodule(top: Any, sub: str) -> Any:
     if not hasattr(top, sub):
         setattr(top, sub, module)
     return module
+
+
+# ------------------------------------------------------------ concurrent.futures
+
+_CF_TOP = "concurrent"
+_concurrent_view: Any = None
+
+
+def _futures_views() -> tuple[Any, Any]:
+    """The stand-ins a user module gets: a ``concurrent`` package whose
+    ``futures`` is :mod:`fiber_dask.futures` (other names fall through to the
+    real package), and :mod:`fiber_dask.futures` itself."""
+    global _concurrent_view
+    futures = importlib.import_module("fiber_dask.futures")
+    if _concurrent_view is None:
+        import types
+
+        real = importlib.import_module(_CF_TOP)
+
+        class ConcurrentView(types.ModuleType):
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        view = ConcurrentView(_CF_TOP, real.__doc__)
+        view.futures = futures  # type: ignore[attr-defined]
+        view.__path__ = list(getattr(real, "__path__", []))  # type: ignore[attr-defined]
+        _concurrent_view = view
+    return _concurrent_view, futures
+
+
+def _import_swapped_futures(name: str, g: Any, loc: Any, fromlist: Any) -> Any:
+    """``import concurrent.futures`` & co. in a user module: the real import
+    runs first (same errors, same side effects), then the names that lead to
+    ``ProcessPoolExecutor`` are answered with fiber-dask's."""
+    real = _original_import(name, g, loc, fromlist, 0)
+    parts = name.split(".")
+    if len(parts) > 1 and parts[1] != "futures":
+        return real  # another concurrent.* package: not ours to change
+    top, futures = _futures_views()
+    if not fromlist:
+        return top  # `import concurrent.futures[.x]` binds the top package
+    if len(parts) == 1:
+        return top  # `from concurrent import futures`
+    if len(parts) == 2:
+        return futures  # `from concurrent.futures import ProcessPoolExecutor`
+    if parts[2:] == ["process"]:
+        return futures.process  # `from concurrent.futures.process import ...`
+    return real  # thread, _base: unchanged
+
+
+def _rebind_user_modules() -> None:
+    """Give user modules imported *before* the swap fiber-dask's executor.
+
+    Only module-level names bound to the stdlib's ``concurrent``,
+    ``concurrent.futures``, ``concurrent.futures.process`` or
+    ``ProcessPoolExecutor`` themselves are rebound: those are what an import
+    statement would have bound had the swap been in place.  Anything derived
+    from them (a subclass, a default argument, an executor already created, a
+    name inside a function or class) keeps the stdlib's; see the module's
+    limits.
+    """
+    cf = sys.modules.get("concurrent.futures")
+    if cf is None or not _active:
+        return
+    import concurrent.futures.process as stdlib_process
+
+    top, futures = _futures_views()
+    replace = {
+        id(sys.modules[_CF_TOP]): top,
+        id(cf): futures,
+        id(stdlib_process): futures.process,
+        id(stdlib_process.ProcessPoolExecutor): futures.ProcessPoolExecutor,
+    }
+    for modname, module in list(sys.modules.items()):
+        top_name = modname.partition(".")[0]
+        if top_name in _ALWAYS_LIBRARY or not any(
+            top_name in spec.modules for spec in list(_active.values())
+        ):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            new = replace.get(id(value))
+            if new is not None and not key.startswith("__"):
+                namespace[key] = new
 
 
 # ---------------------------------------------------------------- worker plugin

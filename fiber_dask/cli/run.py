@@ -9,7 +9,8 @@ worker as ``__mp_main__``: code under ``if __name__ == "__main__":`` does not ru
 there, as with the stdlib.
 
 With ``--swap-multiprocessing`` (or ``fiber.run.swap-multiprocessing: true``) the
-script's own ``multiprocessing`` is fiber_dask; see :mod:`fiber_dask.swap`.
+script's own ``multiprocessing`` is fiber_dask (and its ``concurrent.futures.
+ProcessPoolExecutor`` fiber_dask's); see :mod:`fiber_dask.swap`.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from ._common import (
     default=None,
     help=(
         "Give the script (and the modules in its directory) fiber_dask where they "
-        "import multiprocessing, so an unmodified multiprocessing program runs on the "
-        "cluster; libraries keep the real multiprocessing. "
+        "import multiprocessing, and fiber_dask's ProcessPoolExecutor where they "
+        "import concurrent.futures, so an unmodified program runs on the "
+        "cluster; libraries keep the stdlib's. "
         "Default: fiber.run.swap-multiprocessing (false)."
     ),
 )

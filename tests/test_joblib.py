@@ -1,0 +1,120 @@
+"""The joblib backend: ``parallel_config(backend="fiber_dask")`` on the session cluster.
+
+The oracle is joblib's default ``loky`` backend: the same calls, the same
+results (scikit-learn's ``cross_val_score`` with ``n_jobs=-1``, seeded), and the
+work visibly running in the cluster's worker processes rather than in this one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+joblib = pytest.importorskip("joblib")
+pytest.importorskip("sklearn")
+
+import helpers_futures as hf  # noqa: E402
+from helpers import CustomError, raise_custom, square  # noqa: E402
+from joblib import Parallel, delayed, parallel_config  # noqa: E402
+
+import fiber_dask  # noqa: E402
+import fiber_dask.joblib  # noqa: E402,F401  (registers the backend)
+from fiber_dask import cluster  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def worker_pids() -> set[int]:
+    return set(cluster.get_client().run(os.getpid).values())
+
+
+def test_backend_is_registered_and_n_jobs_means_the_clusters_slots():
+    with parallel_config(backend="fiber_dask"):
+        backend, n_jobs = joblib.parallel.get_active_backend()
+        assert type(backend) is fiber_dask.joblib.FiberDaskBackend
+        assert joblib.effective_n_jobs(-1) == fiber_dask.cpu_count()
+        assert joblib.effective_n_jobs(-2) == max(fiber_dask.cpu_count() - 1, 1)
+        assert joblib.effective_n_jobs(3) == 3
+        with pytest.raises(ValueError, match="n_jobs == 0"):
+            joblib.effective_n_jobs(0)
+
+
+def test_parallel_runs_on_the_cluster_workers():
+    with parallel_config(backend="fiber_dask"):
+        out = Parallel(n_jobs=-1)(delayed(square)(i) for i in range(30))
+        chains = Parallel(n_jobs=-1)(delayed(hf.getppid_chain)() for _ in range(8))
+    assert out == [i * i for i in range(30)]
+    workers = worker_pids()
+    for chain in chains:
+        assert chain[0] != os.getpid()
+        # The process that ran it is a Dask worker or one of its children.
+        assert workers & set(chain), (chain, workers)
+
+
+def test_n_jobs_1_runs_here_as_with_loky():
+    with parallel_config(backend="fiber_dask"):
+        chains = Parallel(n_jobs=1)(delayed(hf.getppid_chain)() for _ in range(2))
+    assert {c[0] for c in chains} == {os.getpid()}
+
+
+def test_exceptions_and_generators():
+    with parallel_config(backend="fiber_dask"):
+        with pytest.raises(CustomError):
+            Parallel(n_jobs=2)(delayed(raise_custom)(i) for i in range(4))
+        # The backend is usable after an aborted call.
+        gen = Parallel(n_jobs=2, return_as="generator")(
+            delayed(square)(i) for i in range(10)
+        )
+        assert list(gen) == [i * i for i in range(10)]
+        unordered = Parallel(n_jobs=2, return_as="generator_unordered")(
+            delayed(square)(i) for i in range(10)
+        )
+        assert sorted(unordered) == [i * i for i in range(10)]
+
+
+def test_sklearn_cross_val_score_matches_loky():
+    from sklearn.datasets import make_classification
+    from sklearn.ensemble import RandomForestClassifier
+    from sklearn.model_selection import cross_val_score
+
+    X, y = make_classification(n_samples=200, n_features=8, random_state=0)
+    estimator = RandomForestClassifier(n_estimators=10, random_state=0)
+    try:
+        with parallel_config(backend="loky"):
+            expected = cross_val_score(estimator, X, y, cv=5, n_jobs=-1)
+    finally:
+        # loky keeps its workers (and its resource tracker) for later calls;
+        # the suite checks that no process outlives it.
+        from joblib.externals.loky import get_reusable_executor
+        from joblib.externals.loky.backend import resource_tracker
+
+        get_reusable_executor().shutdown(wait=True)
+        resource_tracker._resource_tracker._stop()
+    before = _executors_used()
+    with parallel_config(backend="fiber_dask"):
+        got = cross_val_score(estimator, X, y, cv=5, n_jobs=-1)
+    assert list(got) == list(expected)
+    assert _executors_used() >= max(before, 1)
+
+
+def _executors_used() -> int:
+    return sum(
+        1 for ex in fiber_dask.joblib._executors.values() if not ex._shutdown_thread
+    )
+
+
+def test_own_client_option():
+    from distributed import Client
+    from helpers_cluster import loopback_cluster
+
+    with loopback_cluster(1) as c, Client(c, set_as_default=False) as client:
+        pids = set(client.run(os.getpid).values())
+        with parallel_config(backend="fiber_dask", client=client):
+            assert joblib.effective_n_jobs(-1) == 1  # that cluster's one slot
+            chains = Parallel(n_jobs=2)(delayed(hf.getppid_chain)() for _ in range(4))
+        for chain in chains:
+            assert pids & set(chain), (chain, pids)
+        for key, ex in list(fiber_dask.joblib._executors.items()):
+            if key[0] == id(client):
+                ex.shutdown()
