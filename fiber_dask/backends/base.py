@@ -29,18 +29,24 @@ class ClusterHandle:
     #: the number of task slots needed at once, grows the cluster if it is smaller.
     grow: Callable[[int], None] | None = None
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Close what fiber-dask opened; ``timeout`` bounds each close (at
+        exit nothing may wait without a deadline, also for a lost scheduler)."""
+        kw = {} if timeout is None else {"timeout": timeout}
         if self.owned:
             try:
-                self.client.close()
+                self.client.close(**kw)
             finally:
                 if self.cluster is not None:
-                    self.cluster.close()
+                    try:
+                        self.cluster.close(**kw)
+                    except TypeError:  # a cluster class without timeout=
+                        self.cluster.close()
         # A client we attached to a cluster we did not start is left open for
         # its owner; a client we created ourselves is closed without touching
         # the scheduler.
         elif getattr(self.client, "_fiber_created", False):
-            self.client.close()
+            self.client.close(**kw)
 
 
 class Backend:
