@@ -142,36 +142,60 @@ def shutdown() -> None:
     _run_hooks(_after_close)
 
 
+_CLOSE_LOGGERS = (
+    "distributed",
+    "distributed.client",
+    "distributed.nanny",
+    "distributed.worker",
+    "distributed.scheduler",
+    "distributed.core",
+    "distributed.comm",
+    "distributed.batched",
+    "distributed.deploy",
+    "distributed.worker.state_machine",
+    "tornado.application",
+)
+
+
+def _silence_close_logs() -> list[int]:
+    """Raise distributed's loggers to CRITICAL here; return their levels.
+
+    Run in every process of a cluster fiber-dask is about to close: closing
+    cuts comms and heartbeats in flight, which distributed reports as
+    warnings and tracebacks (expected at exit, and they were the noise a
+    script printed on its way out)."""
+    levels = []
+    for name in _CLOSE_LOGGERS:
+        lg = logging.getLogger(name)
+        levels.append(lg.level)
+        lg.setLevel(logging.CRITICAL)
+    return levels
+
+
 def _close_quietly(h: ClusterHandle) -> None:
     """Close a handle within :data:`CLOSE_TIMEOUT`, without distributed's
-    warnings about the comms and tasks that closing cuts (at exit those are
-    expected, and were the 80 lines a script left its pools open printed)."""
-    quiet = [
-        logging.getLogger(name)
-        for name in (
-            "distributed",
-            "distributed.client",
-            "distributed.nanny",
-            "distributed.worker",
-            "distributed.scheduler",
-            "distributed.core",
-            "distributed.comm",
-            "distributed.batched",
-            "distributed.deploy",
-            "distributed.worker.state_machine",
-            "tornado.application",
-        )
-    ]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.CRITICAL)
+    close-time warnings, here and (for a cluster we started) in its workers
+    and nannies."""
+    levels = _silence_close_logs()
     try:
+        if h.owned and h.cluster is not None and h.client.status == "running":
+            for nanny in (False, True):
+                try:
+                    h.client.sync(
+                        h.client._run,
+                        _silence_close_logs,
+                        nanny=nanny,
+                        on_error="return",
+                        callback_timeout=2,
+                    )
+                except Exception:  # only quieter; never a reason not to close
+                    pass
         h.close(timeout=CLOSE_TIMEOUT)
     except Exception:  # pragma: no cover - best effort at exit
         pass
     finally:
-        for lg, level in zip(quiet, levels, strict=True):
-            lg.setLevel(level)
+        for name, level in zip(_CLOSE_LOGGERS, levels, strict=True):
+            logging.getLogger(name).setLevel(level)
 
 
 def _run_first_at_exit() -> None:

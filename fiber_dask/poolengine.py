@@ -56,7 +56,8 @@ INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 
 _MAX_DEPTH = 64
 _FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
-_TERMINATE_GRACE = 2.0  # seconds a running task gets to stop after terminate()
+_TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
+_SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
 _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
 #: Seconds terminate() + join() (and interpreter exit) wait for the loops to
 #: hang up and their Dask tasks to end; longer than _TERMINATE_GRACE, after
@@ -249,6 +250,7 @@ class PoolEngine:
         self._losses: list[float] = []  # times of losses since a chunk last finished
         self._stop_sent: float | None = None
         self._terminated_at: float | None = None
+        self._quiet_since = time.monotonic()  # when the last peer hung up
         self._no_peers_since = time.monotonic()
         self._warned_waiting = False
         self._released = False
@@ -590,9 +592,14 @@ class PoolEngine:
         if self.state == TERMINATE:
             # Wait for the loops to hang up: their tasks have really stopped
             # (the stdlib's join() waits for its workers to exit).
-            waited = time.monotonic() - (self._terminated_at or 0)
-            busy = self._peers or self._loops_running()
-            return bool(busy) and waited < _TERMINATE_WAIT
+            now = time.monotonic()
+            if self._peers:
+                self._quiet_since = now
+                return now - (self._terminated_at or now) < _TERMINATE_WAIT
+            # All hung up: give their Dask tasks a moment to be reported
+            # finished (so a cluster closed next cuts no running task), but
+            # not for a loop Dask re-runs elsewhere after its worker died.
+            return self._loops_running() and now - self._quiet_since < _SETTLE
         if self.state == CLOSE and not self._cache:
             if self._stop_sent is None:
                 self._stop_sent = time.monotonic()
@@ -601,7 +608,10 @@ class PoolEngine:
                 self._release_loops(only_unconnected=True)
             if time.monotonic() - self._stop_sent > _STOP_GRACE:
                 return False
-            if not self._peers and not self._loops_running():
+            now = time.monotonic()
+            if self._peers:
+                self._quiet_since = now
+            elif not self._loops_running() or now - self._quiet_since > _SETTLE:
                 return False
         return True
 
@@ -739,7 +749,7 @@ class PoolEngine:
             self._init_blob,
             self._maxtasks,
             # On a cluster we started, a task that ignores terminate() for
-            # 2 s ends its worker process (the nanny starts another).
+            # _TERMINATE_GRACE ends its worker process (the nanny starts another).
             _TERMINATE_GRACE if self._handle.owned else None,
             key=f"fiber-pool-{self._token}-{n}",
             pure=False,
