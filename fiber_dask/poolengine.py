@@ -762,6 +762,8 @@ class PoolEngine:
     def _maintain(self) -> None:
         """Replace loops that ended while work remains; fail if none can start."""
         while self._loop_done:
+            if self._client.status == "connecting" and self.state != TERMINATE:
+                break  # the client is reconnecting: replace the loops after that
             n = self._loop_done.popleft()
             fut = self._loops.pop(n, None)
             position = self._position.pop(n, None)

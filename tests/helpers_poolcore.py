@@ -104,3 +104,19 @@ def spin_then_linger(directory):
         time.sleep(1.0)
         with open(os.path.join(directory, "ended"), "w") as f:
             f.write("1")
+
+
+def marked_sleep(path, delay, value=None):
+    """Write the started marker ``path``, then sleep ``delay`` seconds."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(delay)
+    return delay if value is None else value
+
+
+def marked_spin(path):
+    """Write the started marker ``path``, then spin in Python forever."""
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        pass
