@@ -52,12 +52,24 @@ def client():
         yield c
 
 
-def _kill_marked(directory, x) -> int:
-    """Wait for item ``x``'s started marker, SIGKILL the process it names."""
+def _kill_marked(directory, x, client=None) -> int:
+    """Wait for item ``x``'s started marker, SIGKILL the process it names.
+
+    With ``client``, then wait until the nanny's replacement worker has joined,
+    so that the next kill lands on a settled cluster (a worker killed while it
+    is still registering can leave the nanny stuck, which is Dask's business,
+    not the pool's)."""
     path = wait_for_file(os.path.join(directory, f"started-{x}"), timeout=60)
     with open(path) as f:
         pid = int(f.read())
     os.kill(pid, signal.SIGKILL)
+    if client is not None:
+        wait_until(
+            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+            and pid not in client.run(os.getpid, on_error="return").values(),
+            90,
+            "the killed worker's replacement",
+        )
     return pid
 
 
@@ -188,7 +200,7 @@ def test_default_chunksize_map_survives_five_kills(client, tmp_path):
         )
         assert res._chunksize == 250
         for x in victims:
-            _kill_marked(d, x)
+            _kill_marked(d, x, client)
         assert res.get(timeout=150) == [x * x for x in range(2000)]
     for x in victims:
         assert executions(d, x) == 2, x
