@@ -175,6 +175,11 @@ class Pool(PoolEngine):
         return INIT if engine is None else engine.state
 
     @property
+    def _server(self) -> Any:
+        """The channel server the loops connect back to (for tests and tools)."""
+        return self._engine._server
+
+    @property
     def _pool(self) -> list:
         """One entry per slot, as the stdlib lists its worker processes (code
         reads ``len(pool._pool)`` and the entries' ``pid``/``is_alive()``)."""

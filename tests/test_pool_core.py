@@ -79,11 +79,10 @@ def _kill_marked(directory, x, client=None) -> int:
 def _many_functions(pool, n, start=0):
     """``n`` distinct partials interleaved with one reused function, all in
     flight at once (the owner decides the loops' caches in send order)."""
-    distinct = [
-        pool.apply_async(functools.partial(base, k=i), (i,))
-        for i in range(start, start + n)
-    ]
-    reused = [pool.apply_async(keep, (i,)) for i in range(n)]
+    distinct, reused = [], []
+    for i in range(start, start + n):
+        distinct.append(pool.apply_async(functools.partial(base, k=i), (i,)))
+        reused.append(pool.apply_async(keep, (i - start,)))
     assert [r.get(timeout=120) for r in distinct] == [
         i * 1000 + i for i in range(start, start + n)
     ]
