@@ -65,8 +65,10 @@ def _kill_marked(directory, x, client=None) -> int:
     os.kill(pid, signal.SIGKILL)
     if client is not None:
         wait_until(
-            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 2
-            and pid not in client.run(os.getpid, on_error="return").values(),
+            lambda: (
+                len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+                and pid not in client.run(os.getpid, on_error="return").values()
+            ),
             90,
             "the killed worker's replacement",
         )
