@@ -437,9 +437,9 @@ def check_connected(handle: ClusterHandle, timeout: float | None = None) -> None
         return
     addr = scheduler_address(handle)
     raise ClusterConnectionError(
-        f"the Dask scheduler at {addr} is unreachable (the client is {status} "
-        f"after fiber.connect-timeout={timeout:g}s): it stopped or the network "
-        "to it is down. Start it again and call fiber_dask.init() (or pass "
+        f"the Dask scheduler at {addr} is unreachable (the client is {status}; "
+        f"it reconnects for at most fiber.connect-timeout={timeout:g}s): it "
+        "stopped or the network to it is down. Start it again and call fiber_dask.init() (or pass "
         "address=/client=), or raise fiber.connect-timeout "
         "(DASK_FIBER__CONNECT_TIMEOUT) if it is only slow to come back."
     )
