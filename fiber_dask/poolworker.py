@@ -14,6 +14,9 @@ Two steps, kept apart so that they can also run in a process of their own:
   it ended (a :class:`~fiber_dask.poolprotocol.Reason`).  It does not assume it
   runs inside a Dask worker.
 
+:func:`serve_slot` is the two in a row; :func:`run_pool_worker`, the Dask task,
+calls it in its own thread.
+
 A receiver thread drains the socket into a local queue at all times, so the
 owner's sends never block on a busy worker (which would deadlock against our
 own result sends), and so TERMINATE can interrupt a running task.
@@ -34,7 +37,7 @@ from . import channel
 from . import poolprotocol as proto
 from .mainglobals import MainNamespace
 
-__all__ = ["run_pool_worker", "connect_to_owner", "serve"]
+__all__ = ["run_pool_worker", "serve_slot", "connect_to_owner", "serve"]
 
 
 class _Terminated(BaseException):
@@ -204,13 +207,38 @@ def run_pool_worker(
     maxtasks: int | None,
     kill_after: float | None = None,
 ) -> str:
-    """Body of one pool-worker Dask task: connect, then :func:`serve`."""
+    """Body of one pool-worker Dask task: :func:`serve_slot` in this thread."""
     try:
         from distributed import get_worker
 
         worker_address = get_worker().address
     except (ImportError, ValueError):
         worker_address = None
+    return serve_slot(
+        address,
+        authkey,
+        service,
+        slot,
+        init_blob,
+        maxtasks,
+        kill_after,
+        worker_address,
+    )
+
+
+def serve_slot(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    slot: int,
+    init_blob: bytes | None,
+    maxtasks: int | None,
+    kill_after: float | None,
+    worker_address: str | None,
+) -> str:
+    """:func:`connect_to_owner`, then :func:`serve`: one pool slot, wherever it
+    runs (a Dask task thread, or the main thread of a process of its own).
+    Returns why it ended."""
     conn = connect_to_owner(address, authkey, service, slot, worker_address)
     if isinstance(conn, str):
         return conn
