@@ -157,9 +157,12 @@ class FiberDaskEngine(Engine):
         self.pool = self.fd.Pool(slots)
         # Pool() returns at once and its loops connect as Dask starts them; the
         # figures are for a pool that is up (as the paper's were), so wait until
-        # every loop has connected (``_peers``: an internal of the pool).
+        # every loop has connected (``_pool``: one entry per slot, as the stdlib).
         deadline = time.monotonic() + self.args.timeout
-        while len(self.pool._peers) < slots and time.monotonic() < deadline:
+        while (
+            sum(s.is_alive() for s in self.pool._pool) < slots
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
 
     def map(self, func: Any, items: list) -> list:

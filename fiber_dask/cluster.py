@@ -14,24 +14,80 @@ Resolution, first match wins:
    first use and closed at interpreter exit.
 
 A cluster fiber-dask did not start is never shut down by it.
+
+This layer also keeps what every user of a cluster shares: the accounting of
+task slots that live pools hold (:func:`claim_slots`, next to
+:func:`ensure_slots`), the health check of a handle's connection
+(:func:`check_connected`), and the shutdown order.  Layers above register
+their shutdown with :func:`on_shutdown` (this module imports none of them):
+at exit, first the cluster's users stop (pools: their loops told to end and
+waited for, with a deadline), then the clients and clusters close, then the
+transports registered ``after_close``.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
-from typing import Any
+import time
+import weakref
+from typing import Any, Callable
 
 from . import config, mainguard
 from .backends import ClusterHandle, load_backend
 from .backends.address import configured_address
 from .backends.upcluster import running_handle
+from .errors import ClusterConnectionError
 
-__all__ = ["init", "shutdown", "get_handle", "get_client", "task_slots"]
+__all__ = [
+    "init",
+    "shutdown",
+    "get_handle",
+    "get_client",
+    "task_slots",
+    "ensure_slots",
+    "claim_slots",
+    "check_connected",
+    "scheduler_address",
+    "on_shutdown",
+]
 
 _handle: ClusterHandle | None = None
 _attached: dict[str, ClusterHandle] = {}
 _lock = threading.RLock()
+
+#: Seconds the clients and clusters get to close at shutdown.
+CLOSE_TIMEOUT = 5.0
+
+_hooks_lock = threading.Lock()
+_before_close: list[Callable[[], None]] = []
+_after_close: list[Callable[[], None]] = []
+
+
+def on_shutdown(fn: Callable[[], None], *, after_close: bool = False) -> None:
+    """Call ``fn()`` from :func:`shutdown` (and so at interpreter exit).
+
+    Hooks run before the clients and clusters close (users of the cluster:
+    stop your work), or after them with ``after_close=True`` (transports).
+    Newest first, as ``atexit``; registering the same function twice keeps
+    one.  A hook must bound its own waits: nothing at exit may block without a
+    deadline.
+    """
+    with _hooks_lock:
+        hooks = _after_close if after_close else _before_close
+        if fn not in hooks:
+            hooks.append(fn)
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    with _hooks_lock:
+        todo = list(reversed(hooks))
+    for fn in todo:
+        try:
+            fn()
+        except Exception:  # pragma: no cover - best effort at exit
+            logging.getLogger(__name__).debug("shutdown hook failed", exc_info=True)
 
 
 def init(
@@ -66,6 +122,7 @@ def init(
         if _handle is not None:
             shutdown()
         _handle = _resolve(backend, address, client)
+        _run_first_at_exit()
         return _handle.client
 
 
@@ -75,7 +132,6 @@ def shutdown() -> None:
     Also runs at interpreter exit.  Attached clusters keep running.
     """
     global _handle
-    from . import channel
 
     with _lock:
         handles = list(_attached.values())
@@ -83,15 +139,76 @@ def shutdown() -> None:
             handles.append(_handle)
         _handle = None
         _attached.clear()
-    from .pool import _terminate_all_pools
-
-    _terminate_all_pools()
+    _run_hooks(_before_close)
     for h in handles:
-        try:
-            h.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-    channel.close_servers()
+        _close_quietly(h)
+    _run_hooks(_after_close)
+
+
+_CLOSE_LOGGERS = (
+    "distributed",
+    "distributed.client",
+    "distributed.nanny",
+    "distributed.worker",
+    "distributed.scheduler",
+    "distributed.core",
+    "distributed.comm",
+    "distributed.batched",
+    "distributed.deploy",
+    "distributed.worker.state_machine",
+    "tornado.application",
+)
+
+
+def _silence_close_logs() -> list[int]:
+    """Raise distributed's loggers to CRITICAL here; return their levels.
+
+    Run in every process of a cluster fiber-dask is about to close: closing
+    cuts comms and heartbeats in flight, which distributed reports as
+    warnings and tracebacks (expected at exit, and they were the noise a
+    script printed on its way out)."""
+    levels = []
+    for name in _CLOSE_LOGGERS:
+        lg = logging.getLogger(name)
+        levels.append(lg.level)
+        lg.setLevel(logging.CRITICAL)
+    return levels
+
+
+def _close_quietly(h: ClusterHandle) -> None:
+    """Close a handle within :data:`CLOSE_TIMEOUT`, without distributed's
+    close-time warnings, here and (for a cluster we started) in its workers
+    and nannies."""
+    levels = _silence_close_logs()
+    try:
+        if h.owned and h.cluster is not None and h.client.status == "running":
+            for nanny in (False, True):
+                try:
+                    h.client.sync(
+                        h.client._run,
+                        _silence_close_logs,
+                        nanny=nanny,
+                        on_error="return",
+                        callback_timeout=2,
+                    )
+                except Exception:  # only quieter; never a reason not to close
+                    pass
+        h.close(timeout=CLOSE_TIMEOUT)
+    except Exception:  # pragma: no cover - best effort at exit
+        pass
+    finally:
+        for name, level in zip(_CLOSE_LOGGERS, levels, strict=True):
+            logging.getLogger(name).setLevel(level)
+
+
+def _run_first_at_exit() -> None:
+    """(Re-)register :func:`shutdown` with ``atexit`` so that it runs before
+    the exit handlers ``distributed`` registered since (``atexit`` runs the
+    newest first).  Without this, distributed's own handler, registered when
+    the first ``LocalCluster`` was made, closed the cluster while the pools'
+    loops still ran on it: warnings, tracebacks and a worker killed after 4 s."""
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
 
 
 atexit.register(shutdown)
@@ -107,10 +224,12 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
             h = _attached.get(address)
             if h is None:
                 h = _attached[address] = _resolve(None, address, None)
+                _run_first_at_exit()
             return h
     with _lock:
         if _handle is None:
             _handle = _resolve(None, None, None)
+            _run_first_at_exit()
         return _handle
 
 
@@ -253,3 +372,100 @@ def ensure_slots(handle: ClusterHandle, n: int) -> None:
     want = -(-n // per_worker)
     if len(cluster.worker_spec) < want:
         cluster.scale(want)
+
+
+# ------------------------------------------------------------ slot accounting
+
+_slots_lock = threading.Lock()
+_slots_in_use: dict[int, int] = {}  # id(handle) -> slots held by live claims
+_live_claims: weakref.WeakSet = weakref.WeakSet()
+
+
+class SlotClaim:
+    """Task slots one user (a pool) holds on a cluster while it lives.
+
+    Created by :func:`claim_slots`; :meth:`release` (idempotent) gives them
+    back, so that the next pool on a cluster fiber-dask manages is sized for
+    what is really in use.
+    """
+
+    __slots__ = ("handle", "n", "_held", "__weakref__")
+
+    def __init__(self, handle: ClusterHandle, n: int) -> None:
+        self.handle, self.n, self._held = handle, n, True
+
+    def release(self) -> None:
+        with _slots_lock:
+            if self._held:
+                self._held = False
+                key = id(self.handle)
+                _slots_in_use[key] = max(0, _slots_in_use.get(key, 0) - self.n)
+                _live_claims.discard(self)
+
+
+def claim_slots(handle: ClusterHandle, n: int) -> SlotClaim:
+    """Count ``n`` more slots in use on ``handle``'s cluster and make sure a
+    cluster fiber-dask manages has room for all the slots in use at once
+    (:func:`ensure_slots`)."""
+    claim = SlotClaim(handle, n)
+    with _slots_lock:
+        key = id(handle)
+        _slots_in_use[key] = needed = _slots_in_use.get(key, 0) + n
+        _live_claims.add(claim)
+    ensure_slots(handle, needed)
+    return claim
+
+
+def slots_in_use(handle: ClusterHandle) -> int:
+    """Slots the live claims hold on ``handle``'s cluster."""
+    with _slots_lock:
+        return _slots_in_use.get(id(handle), 0)
+
+
+# ------------------------------------------------------------------- health
+
+
+def scheduler_address(handle: ClusterHandle) -> str:
+    """The scheduler address of ``handle``, also once its client has closed."""
+    addr = getattr(handle, "_fiber_address", None)
+    if addr is None:
+        try:
+            addr = handle.client.scheduler.address
+        except Exception:
+            addr = "(unknown address)"
+        else:
+            try:
+                handle._fiber_address = addr
+            except Exception:  # pragma: no cover - a frozen handle
+                pass
+    return addr
+
+
+def check_connected(handle: ClusterHandle, timeout: float | None = None) -> None:
+    """Raise :class:`ClusterConnectionError` if ``handle``'s scheduler is lost.
+
+    A client that lost its scheduler reconnects for a while (status
+    ``connecting``); wait for it at most ``timeout`` seconds (default
+    ``fiber.connect-timeout``), and fail at once if it has given up (closed).
+    """
+    client = handle.client
+    status = getattr(client, "status", "running")
+    if status == "running":
+        scheduler_address(handle)  # remembered for the message, should it go
+        return
+    if timeout is None:
+        timeout = config.timedelta("connect-timeout")
+    deadline = time.monotonic() + timeout
+    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = client.status
+    if status == "running":
+        return
+    addr = scheduler_address(handle)
+    raise ClusterConnectionError(
+        f"the Dask scheduler at {addr} is unreachable (the client is {status}; "
+        f"it reconnects for at most fiber.connect-timeout={timeout:g}s): it "
+        "stopped or the network to it is down. Start it again and call fiber_dask.init() (or pass "
+        "address=/client=), or raise fiber.connect-timeout "
+        "(DASK_FIBER__CONNECT_TIMEOUT) if it is only slow to come back."
+    )

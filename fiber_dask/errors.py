@@ -10,6 +10,7 @@ __all__ = [
     "ClusterConnectionError",
     "ManagerConnectionError",
     "PoolTerminatedError",
+    "RemoteTaskError",
     "TLSConnectionError",
     "WorkerLostError",
 ]
@@ -29,6 +30,28 @@ class PoolTerminatedError(multiprocessing.ProcessError):
 
     The stdlib leaves such results waiting forever; fiber-dask tells the caller.
     """
+
+
+class RemoteTaskError(multiprocessing.ProcessError):
+    """A task raised an exception that cannot be rebuilt in this process.
+
+    Its class is not importable here, or it cannot be unpickled.  Carries what
+    is known of it: ``type_name`` (``module.QualName``), ``message`` (its
+    ``str()``) and ``traceback`` (the worker's formatted traceback text, also
+    attached as ``__cause__`` as for every pool task failure).
+    """
+
+    def __init__(self, type_name: str, message: str, traceback: str = "") -> None:
+        super().__init__(type_name, message, traceback)
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        return (
+            f"{self.type_name}: {self.message} (raised in a pool worker; the "
+            "exception could not be rebuilt here, see the remote traceback)"
+        )
 
 
 class ClusterConnectionError(ConnectionError):

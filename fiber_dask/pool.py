@@ -2,39 +2,37 @@
 
 How a call travels::
 
-    caller thread            result thread (one per pool)        Dask worker process
-    ─────────────            ────────────────────────────        ───────────────────
-    apply_async/map/imap
-      job → self._jobs
-      _dispatch(): pick the   ◄─ ("R", ckey, ok, blob) ───────── pool-worker loop
-      least-loaded loop,         _on_result: refill that loop,     (a long-running
-      pickle chunk, send ─────────────────────────────────────►    Dask task, one
-                                 then settle the job: callbacks,    per slot)
+    caller thread            result thread (one per pool,        pool-worker loop
+                             in the pool's PoolEngine)           (a long-running
+    ─────────────            ────────────────────────────        Dask task, one
+    apply_async/map/imap                                          per slot)
+      job → engine.submit
+      _dispatch(): pick the   ◄─ Result(ckey, ok, blob, …) ──────  serve(): run
+      least-loaded loop,         _on_message: refill that loop,    the chunk,
+      pickle chunk, send         then settle the job: callbacks,   send its result
+      Call(ckey, fid, …) ───────────────────────────────────────►
                                  event.set()
     Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
     died, scales the cluster.  Per task there is no scheduler round trip.
+
+The messages are :mod:`fiber_dask.poolprotocol`'s (both ends use it); the
+dispatcher is :class:`fiber_dask.poolengine.PoolEngine`; the loop is
+:mod:`fiber_dask.poolworker`; jobs and results are :mod:`fiber_dask.poolresults`.
 
 Each loop keeps a few chunks queued (``fiber.pool.prefetch`` worth of work,
 learned from observed chunk times) so it never waits for the owner, and long
 tasks are handed out one at a time so the tail stays balanced.
 
-A loop whose connection drops (its worker died) has its in-flight chunks sent
-again to the other loops; a chunk that has lost more workers than
-``fiber.pool.allowed-failures`` fails with :class:`WorkerLostError` instead.
+A loop whose connection drops (its worker died) has its chunks sent again to
+the other loops: the one it was running item by item, so that only an item
+running each time a worker died counts failures; an item that reaches
+``fiber.pool.allowed-failures`` fails with :class:`WorkerLostError`.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import itertools
 import logging
-import socket
-import threading
-import time
-import uuid
 import warnings
-import weakref
 from multiprocessing import TimeoutError  # noqa: F401  (re-exported as in stdlib)
 
 # ThreadPool runs tasks in threads of the calling process, sharing its memory;
@@ -48,24 +46,9 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from . import channel, cluster, config
-from .errors import PoolTerminatedError
-from .poolengine import (
-    CLOSE,
-    INIT,
-    RUN,
-    TERMINATE,
-    PoolEngine,
-    _authkey,
-    _live_pools,
-    _on_connect,
-    _result_thread,
-    _send_quietly,
-    _slots_in_use,
-    _slots_lock,
-    _terminate_all_pools,  # noqa: F401  (cluster.shutdown calls it from here)
-)
-from .results import (
+from . import cluster, config
+from .poolengine import CLOSE, INIT, RUN, TERMINATE, PoolEngine  # noqa: F401  (as the stdlib)
+from .poolresults import (
     ApplyResult,
     AsyncResult,
     IMapIterator,
@@ -143,7 +126,6 @@ class Pool(PoolEngine):
         resources: dict | None = None,
         retries: int | None = None,
     ) -> None:
-        self._state = INIT
         if processes is not None and processes < 1:
             raise ValueError("Number of processes must be at least 1")
         if initializer is not None and not callable(initializer):
@@ -166,81 +148,42 @@ class Pool(PoolEngine):
             )
         config.validate()  # a typo'd or bad fiber.* value fails here, at first use
         # Pickled once, here: an unpicklable initializer fails in the caller.
-        self._init_blob = (
+        init_blob = (
             cloudpickle.dumps((initializer, tuple(initargs)))
             if initializer is not None
             else None
         )
-        self._handle = cluster.get_handle(client=client, address=address)
-        self._client = self._handle.client
+        handle = cluster.get_handle(client=client, address=address)
+        # A scheduler that was lost fails here, naming it, not in a loop later.
+        cluster.check_connected(handle)
         if processes is None:
-            processes = cluster.task_slots(self._handle)
+            processes = cluster.task_slots(handle)
         self._processes = processes
-        self._maxtasks = maxtasksperchild
-        self._resources = resources
-        self._retries = retries or 0
-        self._prefetch = config.timedelta("pool.prefetch")
-        allowed = config.get("pool.allowed-failures")
-        if allowed is None:
-            import dask
-
-            allowed = dask.config.get("distributed.scheduler.allowed-failures")
-        self._allowed_failures = int(allowed)
-        self._max_in_flight = config.get("pool.max-in-flight") or max(16, 4 * processes)
-        self._default_chunksize = config.get("pool.chunksize")
-
-        self._lock = threading.RLock()
-        self._jobs: collections.deque = (
-            collections.deque()
-        )  # jobs with chunks to produce
-        self._retry: collections.deque = collections.deque()  # chunks whose worker died
-        self._cache: set = set()  # unfinished jobs
-        self._peers: dict[Any, Any] = {}  # connection -> poolengine._Peer
-        self._ckeys = itertools.count()
-        self._fids: collections.OrderedDict = collections.OrderedDict()
-        self._fid_counter = itertools.count()
-        self._loops: dict[str, Any] = {}
-        self._loop_done: collections.deque = collections.deque()
-        self._loop_failures = 0
-        self._broken: BaseException | None = None
-        self._draining = False
-        self._stop_sent: float | None = None
-        self._no_peers_since = time.monotonic()
-        self._warned_waiting = False
-
-        self._token = uuid.uuid4().hex[:12]
-        self._service = f"pool-{self._token}"
-        authkey = _authkey()
-        self._server = channel.get_server(
-            self._handle.listen_host or "127.0.0.1", authkey, self._handle.client
+        self._engine = PoolEngine(
+            handle,
+            processes,
+            init_blob=init_blob,
+            maxtasks=maxtasksperchild,
+            resources=resources,
+            retries=retries or 0,
         )
-        self._server.register(
-            self._service, functools.partial(_on_connect, weakref.ref(self))
-        )
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._slot_counter = itertools.count()
-        with _slots_lock:
-            key = id(self._handle)
-            _slots_in_use[key] = _slots_in_use.get(key, 0) + processes
-            needed = _slots_in_use[key]
-            self._processes_counted = True
-        cluster.ensure_slots(self._handle, needed)
-        self._state = RUN
-        _live_pools.add(self)
-        try:
-            self._submit_loops(processes)
-        except BaseException:
-            self._state = TERMINATE
-            self._release()
-            raise
-        self._thread = threading.Thread(
-            target=_result_thread,
-            args=(weakref.ref(self),),
-            name="fiber-pool-results",
-            daemon=True,
-        )
-        self._thread.start()
+        self._engine.start()
+
+    @property
+    def _state(self) -> str:
+        engine = self.__dict__.get("_engine")
+        return INIT if engine is None else engine.state
+
+    @property
+    def _server(self) -> Any:
+        """The channel server the loops connect back to (for tests and tools)."""
+        return self._engine._server
+
+    @property
+    def _pool(self) -> list:
+        """One entry per slot, as the stdlib lists its worker processes (code
+        reads ``len(pool._pool)`` and the entries' ``pid``/``is_alive()``)."""
+        return self._engine.slots()
 
     # ------------------------------------------------------------------ public API
 
@@ -265,8 +208,10 @@ class Pool(PoolEngine):
     def apply_async(self, func, args=(), kwds=None, callback=None, error_callback=None):
         """Asynchronous :meth:`apply`: returns an :class:`AsyncResult`."""
         self._check_running()
-        job = ApplyResult(self, func, args, kwds or {}, callback, error_callback)
-        self._add_job(job)
+        job = ApplyResult(
+            self._engine, func, args, kwds or {}, callback, error_callback
+        )
+        self._engine.submit(job)
         return job
 
     def map(self, func, iterable, chunksize=None):
@@ -299,10 +244,7 @@ class Pool(PoolEngine):
 
     def close(self) -> None:
         """Accept no more work; loops stop once the submitted work is done."""
-        with self._lock:
-            if self._state == RUN:
-                self._state = CLOSE
-        self._wake()
+        self._engine.close()
 
     def terminate(self) -> None:
         """Stop now: interrupt running tasks, fail unfinished results.
@@ -310,32 +252,16 @@ class Pool(PoolEngine):
         Unlike the stdlib (whose pending results then wait forever), results not
         yet computed raise :class:`PoolTerminatedError` from ``get()``.
         """
-        with self._lock:
-            if self._state == TERMINATE:
-                return
-            self._state = TERMINATE
-            jobs = list(self._cache)
-            for peer in self._peers.values():
-                _send_quietly(peer, b"K")
-        self._release_slots()
-        err = PoolTerminatedError(
-            "the pool was terminated before this result was computed"
-        )
-        for job in jobs:
-            job._fail(err)
-        self._cancel_loops()
-        self._wake()
+        self._engine.terminate()
 
     def join(self) -> None:
-        """Wait for the loops to finish; call :meth:`close` or :meth:`terminate` first."""
-        if self._state == RUN:
-            raise ValueError("Pool is still running")
-        if self._state not in (CLOSE, TERMINATE):
-            raise ValueError("In unknown state")
-        self._draining = True  # lift imap back-pressure: join waits for all work
-        self._dispatch()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        """Wait for the loops to finish; call :meth:`close` or :meth:`terminate` first.
+
+        After :meth:`terminate`, returns once the running tasks have really
+        stopped (their loops hung up), or after a few seconds for a task that
+        cannot be interrupted on a cluster fiber-dask did not start.
+        """
+        self._engine.join()
 
     def __enter__(self):
         self._check_running()
@@ -345,17 +271,16 @@ class Pool(PoolEngine):
         self.terminate()
 
     def __del__(self, _warn=warnings.warn):
-        if getattr(self, "_state", None) == RUN:
+        engine = self.__dict__.get("_engine")
+        if engine is not None and engine.state == RUN:
             _warn(
                 f"unclosed running multiprocessing pool {self!r}",
                 ResourceWarning,
                 source=self,
             )
-            # Let the loops go; the result thread exits when it sees us gone.
-            for peer in list(getattr(self, "_peers", {}).values()):
-                _send_quietly(peer, b"K")
-            self._cancel_loops()
-            self._release()
+            # Let the loops go, without waiting for anything: the engine's
+            # result thread winds down by itself.
+            engine.abandon()
 
     # ----------------------------------------------------------------- job intake
 
@@ -363,46 +288,32 @@ class Pool(PoolEngine):
         if self._state != RUN:
             raise ValueError("Pool not running")
 
-    def _add_job(self, job) -> None:
-        with self._lock:
-            self._check_running()
-            if self._broken is not None:
-                job._fail(self._broken)
-                return
-            if job._finished:  # an empty map
-                return
-            self._cache.add(job)
-            self._jobs.append(job)
-            self._dispatch()
-
     def _map_async(
         self, func, iterable, mode, chunksize, callback=None, error_callback=None
     ):
         self._check_running()
         items = list(iterable)
         if chunksize is None:
-            chunksize = self._default_chunksize
+            chunksize = self._engine.default_chunksize
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:
                 chunksize += 1
         chunksize = max(int(chunksize), 1)
-        job = MapResult(self, func, items, chunksize, mode, callback, error_callback)
-        self._add_job(job)
+        job = MapResult(
+            self._engine, func, items, chunksize, mode, callback, error_callback
+        )
+        self._engine.submit(job)
         return job
 
     def _imap(self, cls, func, iterable, chunksize):
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
-        job = cls(self, func, iterable, chunksize, 0, self._max_in_flight)
-        self._add_job(job)
+        job = cls(
+            self._engine, func, iterable, chunksize, 0, self._engine.max_in_flight
+        )
+        self._engine.submit(job)
         if chunksize == 1:
             return job
         return (item for item in job)  # as the stdlib: a generator when chunked
-
-    def _job_finished(self, job) -> None:
-        with self._lock:
-            self._cache.discard(job)
-            if not self._cache and self._state == CLOSE:
-                self._wake()

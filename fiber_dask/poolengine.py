@@ -1,49 +1,113 @@
-"""The machinery behind ``Pool``: dispatching chunks to pool-worker loops,
-the result thread, and the loops' life cycle (see ``pool`` for the picture).
+"""The Pool's engine: one dispatcher per pool that owns its jobs and loops.
 
-``PoolEngine`` is a mixin holding the parts of a pool that users never call;
-``pool.Pool`` adds the stdlib API on top.  The state both use is created in
-``Pool.__init__``.
+:class:`PoolEngine` holds all the state a pool needs to run work: the jobs
+waiting for chunks, the connected pool-worker loops (:class:`_Peer`), the Dask
+futures of the loops, and the result thread — the one thread that reads every
+loop's connection, settles results, replaces loops that ended and re-runs what
+a lost worker held (loky's executor manager thread is the model).
+``pool.Pool`` holds one and adds the stdlib API on top; see ``pool`` for the
+picture of how a call travels.  Messages are :mod:`fiber_dask.poolprotocol`'s.
+
+Its public surface: :meth:`start`, :meth:`submit`, :meth:`close`,
+:meth:`terminate`, :meth:`join`, :meth:`abandon`, :meth:`slots`, ``state``,
+``broken``, and for jobs :meth:`job_finished`, :meth:`job_consumed` and
+``draining``.
+
+Worker loss: a loop serves its chunks in the order they were sent, so when its
+connection drops the oldest chunk it held was the one running; the others
+never started and go back as they were.  The running chunk, if it had several
+items, is re-run item by item without counting a failure (we cannot tell
+which item was running); a single item that was running counts one.  So only
+an item that was running each time accrues failures, as Dask counts per task,
+and it fails with :class:`~fiber_dask.errors.WorkerLostError` after
+``fiber.pool.allowed-failures``.  Workers that die while no chunk finishes in
+between (an out-of-memory storm) fail the running jobs after a bound instead
+of looping forever.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import pickle
 import selectors
+import socket
 import threading
 import time
+import uuid
 import weakref
+from typing import Any
 
 import cloudpickle
 
-from . import channel
-from .errors import WorkerLostError
+from . import channel, cluster, config
+from . import poolprotocol as proto
+from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from .poolresults import MapResult
 from .poolworker import run_pool_worker
-from .results import MapResult
+
+__all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
 
 logger = logging.getLogger("fiber_dask.pool")
 
 INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 
 _MAX_DEPTH = 64
-_FUNC_CACHE = 256
-_TERMINATE_GRACE = 2.0  # seconds a running task gets to stop after terminate()
-_STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after "stop"
+_FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
+_TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
+_SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
+_STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
+#: Seconds terminate() + join() (and interpreter exit) wait for the loops to
+#: hang up and their Dask tasks to end; longer than _TERMINATE_GRACE, after
+#: which a stuck task's worker process is ended on clusters fiber-dask started.
+_TERMINATE_WAIT = _TERMINATE_GRACE + 3.0
+#: Seconds all pools together get to stop at interpreter exit.
+_EXIT_WAIT = 3.0
 
-_live_pools: weakref.WeakSet = weakref.WeakSet()
-_slots_lock = threading.Lock()
-_slots_in_use: dict[int, int] = {}  # id(handle) -> loops of live pools
+_live: weakref.WeakSet = weakref.WeakSet()  # engines with loops, for exit
 
 
 class _Chunk:
-    __slots__ = ("job", "index", "items", "attempts", "worker")
+    """Items of one job sent together.  ``split``: the :class:`_Split` this
+    single item belongs to when its chunk was re-run item by item."""
 
-    def __init__(self, job, index, items):
+    __slots__ = ("job", "index", "items", "attempts", "worker", "split", "offset")
+
+    def __init__(self, job, index, items, split=None, offset=0):
         self.job, self.index, self.items = job, index, items
         self.attempts = 0
         self.worker = None
+        self.split, self.offset = split, offset
+
+    def first_item(self) -> int:
+        return self.job._first_item(self.index) + self.offset
+
+
+class _Split:
+    """Collects the results of a chunk re-run item by item, and hands the job
+    one result for the whole chunk, as if it had not been split."""
+
+    __slots__ = ("values", "left", "done")
+
+    def __init__(self, n: int) -> None:
+        self.values: list = [None] * n
+        self.left = n
+        self.done = False
+
+    def settle(self, chunk: _Chunk, ok: bool, value: Any) -> None:
+        if self.done:
+            return
+        if not ok:
+            self.done = True
+            chunk.job._chunk_done(chunk.index, False, value)
+            return
+        self.values[chunk.offset] = value[0]
+        self.left -= 1
+        if self.left == 0:
+            self.done = True
+            chunk.job._chunk_done(chunk.index, True, self.values)
 
 
 class _Peer:
@@ -52,10 +116,10 @@ class _Peer:
     __slots__ = (
         "conn",
         "inflight",
-        "fids",
+        "funcs",
         "pid",
         "worker",
-        "slot",
+        "loop",
         "retiring",
         "broken",
         "filed",
@@ -63,24 +127,253 @@ class _Peer:
 
     def __init__(self, conn, hello):
         self.conn = conn
-        self.inflight: dict[int, _Chunk] = {}
-        self.fids: set[int] = set()
+        self.inflight: dict[int, _Chunk] = {}  # in send order: the first runs
+        self.funcs = proto.PeerFunctions()
         self.pid = hello.get("pid")
         self.worker = hello.get("worker")
-        self.slot = hello.get("slot")
+        self.loop = hello.get("slot")
         self.retiring = False
         self.broken = False
-        self.filed: int | None = None  # its key in PoolEngine._loads, if any
+        self.filed: int | None = None  # its key in PoolEngine._load_index, if any
+
+
+class PoolSlot:
+    """One slot of a pool, as ``Pool._pool`` lists them (the stdlib lists its
+    worker processes there): the loop now serving it, if connected."""
+
+    __slots__ = ("_engine", "_position")
+
+    def __init__(self, engine: PoolEngine, position: int) -> None:
+        self._engine, self._position = engine, position
+
+    def _peer(self) -> _Peer | None:
+        return self._engine._peer_at.get(self._position)
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the process running this slot's tasks (None until connected)."""
+        peer = self._peer()
+        return None if peer is None else peer.pid
+
+    @property
+    def worker(self) -> str | None:
+        """The Dask worker address this slot runs on (None until connected)."""
+        peer = self._peer()
+        return None if peer is None else peer.worker
+
+    @property
+    def name(self) -> str:
+        return f"PoolWorker-{self._position + 1}"
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.is_alive() else 0
+
+    def is_alive(self) -> bool:
+        return self._peer() is not None
+
+    def __repr__(self) -> str:
+        return f"<PoolSlot {self.name} pid={self.pid} worker={self.worker}>"
 
 
 class PoolEngine:
-    """Dispatch, results and loops of a :class:`fiber_dask.pool.Pool`."""
+    """The dispatcher of one pool: its jobs, loops, peers and result thread.
 
-    # ------------------------------------------------------------------ dispatch
+    Parameters
+    ----------
+    handle : fiber_dask.backends.ClusterHandle
+        The cluster the loops run on.
+    processes : int
+        Slots (loops) to keep running.
+    init_blob : bytes, optional
+        The pickled ``(initializer, initargs)``.
+    maxtasks : int, optional
+        Chunks after which a loop ends and another starts.
+    resources : dict, optional
+        Dask resources each loop needs.
+    retries : int
+        Re-runs of a task that raises, in the loop.
+    """
 
-    def _wake_dispatch(self) -> None:
-        """The caller consumed an imap chunk: back-pressured input may go on."""
+    def __init__(
+        self,
+        handle: Any,
+        processes: int,
+        *,
+        init_blob: bytes | None = None,
+        maxtasks: int | None = None,
+        resources: dict | None = None,
+        retries: int = 0,
+    ) -> None:
+        self.state = INIT
+        self.processes = processes
+        self._handle = handle
+        self._client = handle.client
+        self._address = cluster.scheduler_address(handle)
+        self._init_blob = init_blob
+        self._maxtasks = maxtasks
+        self._resources = resources
+        self._retries = retries
+        self._prefetch = config.timedelta("pool.prefetch")
+        allowed = config.get("pool.allowed-failures")
+        if allowed is None:
+            import dask
+
+            allowed = dask.config.get("distributed.scheduler.allowed-failures")
+        self._allowed_failures = int(allowed)
+        #: Worker losses with no chunk finishing in between, beyond which the
+        #: running jobs fail: workers die under the pool faster than it works.
+        self._loss_limit = max(10, 2 * (self._allowed_failures + 1) * processes)
+        self.max_in_flight = config.get("pool.max-in-flight") or max(16, 4 * processes)
+        self.default_chunksize = config.get("pool.chunksize")
+        #: Set by join(): imap back-pressure is lifted, join waits for all work.
+        self.draining = False
+        #: The exception every job fails with once the pool cannot work.
+        self.broken: BaseException | None = None
+
+        self._lock = threading.RLock()
+        self._jobs: collections.deque = collections.deque()  # jobs with chunks to make
+        self._retry: collections.deque = collections.deque()  # chunks to send first
+        self._cache: set = set()  # unfinished jobs
+        self._peers: dict[Any, _Peer] = {}  # connection -> peer
+        self._peer_at: dict[int, _Peer] = {}  # slot position -> peer
+        self._load_index: dict[int, dict] = {}
+        self._ckeys = itertools.count()
+        self._fids: collections.OrderedDict = collections.OrderedDict()
+        self._fid_counter = itertools.count()
+        self._loops: dict[int, Any] = {}  # loop number -> its Dask future
+        self._position: dict[int, int] = {}  # loop number -> slot position
+        self._connected: set[int] = set()  # loop numbers that ever connected
+        self._recycled: set[int] = set()  # loops that said maxtasksperchild ended them
+        self._loop_done: collections.deque = collections.deque()
+        self._loop_failures = 0
+        self._losses: list[float] = []  # times of losses since a chunk last finished
+        self._stop_sent: float | None = None
+        self._terminated_at: float | None = None
+        self._quiet_since = time.monotonic()  # when the last peer hung up
+        self._no_peers_since = time.monotonic()
+        self._warned_waiting = False
+        self._released = False
+        self._claim: cluster.SlotClaim | None = None
+        self._thread: threading.Thread | None = None
+
+        self._token = uuid.uuid4().hex[:12]
+        self._service = f"pool-{self._token}"
+        self._server = channel.get_server(
+            handle.listen_host or "127.0.0.1", _authkey(), handle.client
+        )
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._loop_numbers = itertools.count()
+
+    # ------------------------------------------------------------ public API
+
+    def start(self) -> None:
+        """Claim the slots, submit the loops and start the result thread."""
+        self._server.register(
+            self._service, functools.partial(_on_connect, weakref.ref(self))
+        )
+        self._claim = cluster.claim_slots(self._handle, self.processes)
+        self.state = RUN
+        _live.add(self)
+        try:
+            for position in range(self.processes):
+                self._submit_loop(position)
+        except BaseException:
+            self.state = TERMINATE
+            self._release()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name="fiber-pool-results", daemon=True
+        )
+        self._thread.start()
+
+    def slots(self) -> list[PoolSlot]:
+        """One :class:`PoolSlot` per slot (what ``Pool._pool`` shows)."""
+        return [PoolSlot(self, i) for i in range(self.processes)]
+
+    def submit(self, job) -> None:
+        """Queue ``job`` (a ``poolresults`` job) for its chunks to be sent."""
+        with self._lock:
+            if self.state != RUN:
+                raise ValueError("Pool not running")
+            if self.broken is not None:
+                job._fail(self.broken)
+                return
+            if job._finished:  # an empty map
+                return
+            self._cache.add(job)
+            self._jobs.append(job)
+            self._dispatch()
+
+    def job_finished(self, job) -> None:
+        with self._lock:
+            self._cache.discard(job)
+            if not self._cache and self.state == CLOSE:
+                self._wake()
+
+    def job_consumed(self) -> None:
+        """The caller took an imap chunk: back-pressured input may go on."""
         self._dispatch()
+
+    def close(self) -> None:
+        """Accept no more work; the loops stop once the submitted work is done."""
+        with self._lock:
+            if self.state == RUN:
+                self.state = CLOSE
+        self._wake()
+
+    def terminate(self) -> None:
+        """Stop now: interrupt running tasks, fail unfinished jobs.
+
+        Returns at once; :meth:`join` waits until the loops have really
+        stopped.
+        """
+        with self._lock:
+            if self.state == TERMINATE:
+                return
+            self.state = TERMINATE
+            self._terminated_at = time.monotonic()
+            jobs = list(self._cache)
+            self._cache.clear()
+            for peer in self._peers.values():
+                _send_quietly(peer, proto.TERMINATE)
+        self._release_claim()
+        self._release_loops(only_unconnected=True)
+        err = PoolTerminatedError(
+            "the pool was terminated before this result was computed"
+        )
+        for job in jobs:
+            job._fail(err)
+        self._wake()
+
+    def abandon(self) -> None:
+        """The pool object was dropped while running: let it go without
+        waiting for anything (this runs in ``__del__``)."""
+        try:
+            self.terminate()
+        except Exception:  # pragma: no cover - best effort in __del__
+            pass
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the loops have stopped (after :meth:`close`: once the
+        work is done; after :meth:`terminate`: once running tasks have ended,
+        at most about ``_TERMINATE_WAIT`` seconds).  Returns False on timeout."""
+        if self.state == RUN:
+            raise ValueError("Pool is still running")
+        if self.state not in (CLOSE, TERMINATE):
+            raise ValueError("In unknown state")
+        self.draining = True  # lift imap back-pressure: join waits for all work
+        self._dispatch()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    # -------------------------------------------------------------- dispatch
 
     def _dispatch(self) -> None:
         """Send chunks to loops with room, least loaded first.
@@ -91,15 +384,15 @@ class PoolEngine:
         time: nothing waits queued behind a long task while another loop idles.
         """
         with self._lock:
-            if self._state == TERMINATE:
+            if self.state == TERMINATE or self._released:
                 return
+            loads = self._load_index
             while True:
                 chunk = self._next_chunk()
                 if chunk is None:
                     return
                 depth = self._depth(chunk)
                 best = None
-                loads = self._loads()
                 for n in range(depth):
                     peers = loads.get(n)
                     if peers:
@@ -110,19 +403,12 @@ class PoolEngine:
                     return
                 self._send_chunk(best, chunk)
 
-    def _loads(self) -> dict[int, dict]:
-        """Loops that may take work, by their number of chunks in flight (each a
-        dict used as an ordered set), so that picking the least loaded one costs
-        the same with 2 loops or 500."""
-        loads = self.__dict__.get("_load_index")
-        if loads is None:
-            loads = self._load_index = {}
-        return loads
-
     def _file(self, peer: _Peer) -> None:
-        """File ``peer`` under its current load; call under the lock after its
+        """File ``peer`` under its number of chunks in flight (each bucket a
+        dict used as an ordered set, so that picking the least loaded loop
+        costs the same with 2 loops or 500); call under the lock after its
         in-flight chunks, ``retiring``/``broken`` or presence change."""
-        loads = self._loads()
+        loads = self._load_index
         if peer.filed is not None:
             bucket = loads.get(peer.filed)
             if bucket is not None:
@@ -155,7 +441,7 @@ class PoolEngine:
     def _next_chunk(self) -> _Chunk | None:
         while self._retry:
             chunk = self._retry.popleft()
-            if not chunk.job._finished:
+            if not chunk.job._finished and not (chunk.split and chunk.split.done):
                 return chunk
         for _ in range(len(self._jobs)):
             job = self._jobs[0]
@@ -175,7 +461,9 @@ class PoolEngine:
         """The function's id and pickle, made once per function.
 
         Entries are ``[func, fid, blob, seconds_per_item]``; holding ``func``
-        keeps its ``id()`` from being reused while the entry lives.
+        keeps its ``id()`` from being reused while the entry lives.  An evicted
+        function used again gets a new fid (fids are never reused), so the
+        loops' records stay right whatever this cache forgets.
         """
         entry = self._fids.get(id(func))
         if entry is not None and entry[0] is func:
@@ -196,20 +484,20 @@ class PoolEngine:
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
             # caller's get(), as the stdlib reports it.
-            job._chunk_done(chunk.index, False, e)
+            self._settle(chunk, False, e)
             return
         ckey = next(self._ckeys)
-        msg = pickle.dumps(
-            (
-                "T",
+        send_blob, evict = peer.funcs.use(fid)
+        msg = proto.encode(
+            proto.Call(
                 ckey,
                 fid,
-                None if fid in peer.fids else fblob,
+                fblob if send_blob else None,
                 job.mode,
                 payload,
                 self._retries,
-            ),
-            protocol=pickle.HIGHEST_PROTOCOL,
+                evict,
+            )
         )
         try:
             peer.conn.send_bytes(msg)
@@ -221,11 +509,16 @@ class PoolEngine:
             self._retry.appendleft(chunk)
             self._wake()
             return
-        peer.fids.add(fid)
         peer.inflight[ckey] = chunk
         self._file(peer)
 
-    # ------------------------------------------------------------ result thread
+    def _settle(self, chunk: _Chunk, ok: bool, value: Any) -> None:
+        if chunk.split is not None:
+            chunk.split.settle(chunk, ok, value)
+        else:
+            chunk.job._chunk_done(chunk.index, ok, value)
+
+    # --------------------------------------------------------- result thread
 
     def _wake(self) -> None:
         try:
@@ -235,37 +528,31 @@ class PoolEngine:
 
     def _on_connect(self, conn, hello) -> None:
         with self._lock:
-            if self._state == TERMINATE or self._stop_sent is not None:
+            if self.state == TERMINATE or self._stop_sent is not None or self._released:
                 channel.hangup(conn)
                 return
             peer = self._peers[conn] = _Peer(conn, hello or {})
+            if peer.loop in self._position:
+                self._peer_at[self._position[peer.loop]] = peer
+                self._connected.add(peer.loop)
             self._file(peer)
-            self._selector().register(conn, selectors.EVENT_READ)
+            self._sel.register(conn, selectors.EVENT_READ)
             self._loop_failures = 0
             self._dispatch()
         self._wake()
 
-    def _selector(self) -> selectors.BaseSelector:
-        """The result thread's selector: every loop's connection and the wake-up
-        socket, registered once (not on every turn: with hundreds of loops,
-        building a poll set per message cost more than handling the message)."""
-        sel = self.__dict__.get("_sel")
-        if sel is None:
-            with self._lock:
-                sel = self.__dict__.get("_sel")
-                if sel is None:
-                    sel = selectors.DefaultSelector()
-                    sel.register(self._wake_r, selectors.EVENT_READ)
-                    self._sel = sel
-        return sel
-
-    def _unregister(self, conn) -> None:
-        sel = self.__dict__.get("_sel")
-        if sel is not None:
-            try:
-                sel.unregister(conn)
-            except (KeyError, ValueError, OSError):
+    def _run(self) -> None:
+        """The result thread."""
+        try:
+            while self._step():
                 pass
+        except Exception:  # pragma: no cover - keep the traceback visible
+            logger.exception("fiber-dask: pool result thread failed")
+            self._break(
+                RuntimeError("the fiber-dask pool result thread failed; see the log")
+            )
+        finally:
+            self._release()
 
     def _step(self) -> bool:
         """One turn of the result thread.  Returns False when the pool is done."""
@@ -273,9 +560,9 @@ class PoolEngine:
             if not self._should_continue():
                 return False
         try:
-            ready = [key.fileobj for key, _ in self._selector().select(timeout=1.0)]
+            ready = [key.fileobj for key, _ in self._sel.select(timeout=0.5)]
         except (OSError, ValueError):  # closed by _release
-            return not getattr(self, "_released", False)
+            return not self._released
         for obj in ready:
             if obj is self._wake_r:
                 try:
@@ -292,52 +579,66 @@ class PoolEngine:
             except (EOFError, OSError):
                 self._peer_lost(peer)
                 continue
+            if self.state == TERMINATE:
+                continue  # results of a terminated pool: nobody waits for them
             try:
-                self._on_message(peer, raw)
+                self._on_message(peer, proto.decode(raw))
             except Exception:  # never let one bad message kill the pool
                 logger.exception("fiber-dask: error handling a pool message")
         self._maintain()
         return True
 
     def _should_continue(self) -> bool:
-        if self._state == TERMINATE:
-            return False
-        if self._state == CLOSE and not self._cache:
+        if self.state == TERMINATE:
+            # Wait for the loops to hang up: their tasks have really stopped
+            # (the stdlib's join() waits for its workers to exit).
+            now = time.monotonic()
+            if self._peers:
+                self._quiet_since = now
+                return now - (self._terminated_at or now) < _TERMINATE_WAIT
+            # All hung up: give their Dask tasks a moment to be reported
+            # finished (so a cluster closed next cuts no running task), but
+            # not for a loop Dask re-runs elsewhere after its worker died.
+            return self._loops_running() and now - self._quiet_since < _SETTLE
+        if self.state == CLOSE and not self._cache:
             if self._stop_sent is None:
                 self._stop_sent = time.monotonic()
                 for peer in self._peers.values():
-                    _send_quietly(peer, b"S")
-                self._cancel_loops(only_unconnected=True)
-            if not self._peers or time.monotonic() - self._stop_sent > _STOP_GRACE:
+                    _send_quietly(peer, proto.STOP)
+                self._release_loops(only_unconnected=True)
+            if time.monotonic() - self._stop_sent > _STOP_GRACE:
+                return False
+            now = time.monotonic()
+            if self._peers:
+                self._quiet_since = now
+            elif not self._loops_running() or now - self._quiet_since > _SETTLE:
                 return False
         return True
 
-    def _on_message(self, peer: _Peer, raw: bytes) -> None:
-        msg = pickle.loads(raw)  # envelope of plain types from an authenticated peer
-        kind = msg[0]
-        if kind == "R":
-            _, ckey, ok, blob, secs, last = msg
+    def _on_message(self, peer: _Peer, msg: Any) -> None:
+        if isinstance(msg, proto.Result):
             with self._lock:
-                chunk = peer.inflight.pop(ckey, None)
+                chunk = peer.inflight.pop(msg.ckey, None)
                 if chunk is not None:
-                    self._learn(chunk, secs)
-                if last:
+                    self._learn(chunk, msg.seconds)
+                    self._losses.clear()  # the pool makes progress
+                if msg.last:
                     peer.retiring = True
+                    self._recycled.add(peer.loop)
                 self._file(peer)
                 self._dispatch()  # refill before settling: keep the loops busy
             if chunk is None:
                 return
-            try:
-                value = pickle.loads(blob)
-            except Exception as e:
-                ok, value = False, e
-            chunk.job._chunk_done(chunk.index, ok, value)
-        elif kind == "I":
-            try:
-                exc = pickle.loads(msg[1])
-            except Exception as e:
-                exc = e
-            self._break(exc)
+            if msg.ok:
+                try:
+                    ok, value = True, pickle.loads(msg.blob)
+                except Exception as e:
+                    ok, value = False, e
+            else:
+                ok, value = False, proto.decode_failure(msg.blob)
+            self._settle(chunk, ok, value)
+        elif isinstance(msg, proto.InitFailed):
+            self._break(proto.decode_failure(msg.blob))
 
     def _learn(self, chunk: _Chunk, secs: float) -> None:
         entry = self._fids.get(id(chunk.job._func))
@@ -346,105 +647,144 @@ class PoolEngine:
             entry[3] = per_item if entry[3] is None else 0.7 * entry[3] + 0.3 * per_item
 
     def _peer_lost(self, peer: _Peer) -> None:
-        failed = []
+        failed: list[tuple[_Chunk, BaseException]] = []
         with self._lock:
             self._peers.pop(peer.conn, None)
+            for pos, p in list(self._peer_at.items()):
+                if p is peer:
+                    del self._peer_at[pos]
             self._file(peer)
-            self._unregister(peer.conn)
+            try:
+                self._sel.unregister(peer.conn)
+            except (KeyError, ValueError, OSError):
+                pass
             peer.conn.close()
-            if self._state == TERMINATE:
+            if self.state == TERMINATE or self._released:
                 return
-            back = []
-            for chunk in peer.inflight.values():
-                if chunk.job._finished:
-                    continue
-                chunk.attempts += 1
-                chunk.worker = peer.worker
-                if chunk.attempts > self._allowed_failures:
-                    failed.append(chunk)
+            back: list[_Chunk] = []
+            chunks = [c for c in peer.inflight.values() if not c.job._finished]
+            if chunks and not peer.retiring:
+                self._losses.append(time.monotonic())
+            for i, chunk in enumerate(chunks):
+                if i > 0 or peer.retiring:
+                    back.append(chunk)  # queued there, never started
+                elif len(chunk.items) > 1:
+                    # It was running, but which item we cannot tell: re-run it
+                    # item by item, so the next loss names the item.
+                    split = _Split(len(chunk.items))
+                    for offset, item in enumerate(chunk.items):
+                        back.append(
+                            _Chunk(chunk.job, chunk.index, [item], split, offset)
+                        )
                 else:
-                    back.append(chunk)
+                    chunk.attempts += 1
+                    chunk.worker = peer.worker
+                    if chunk.attempts > self._allowed_failures:
+                        failed.append((chunk, self._item_error(chunk, peer)))
+                    else:
+                        back.append(chunk)
             self._retry.extendleft(reversed(back))
             if back:
                 logger.warning(
-                    "fiber-dask: a pool worker (%s, pid %s) died; re-running %d chunk(s)",
+                    "fiber-dask: a pool worker (%s, pid %s) died; re-running %d "
+                    "chunk(s)",
                     peer.worker,
                     peer.pid,
                     len(back),
                 )
+            storm = None
+            if len(self._losses) > self._loss_limit:
+                storm = self._storm_error()
+                self._losses.clear()
             self._dispatch()
-        for chunk in failed:
-            name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
-            chunk.job._chunk_done(
-                chunk.index,
-                False,
-                WorkerLostError(
-                    f"task {name} (chunk {chunk.index}) was running on a worker process "
-                    f"that died, {chunk.attempts} times (last on {chunk.worker}, pid "
-                    f"{peer.pid}); the limit is fiber.pool.allowed-failures="
-                    f"{self._allowed_failures}. A task that crashes its process "
-                    "(segfault, os._exit, out of memory) fails this way; fix the task or "
-                    "raise the limit (DASK_FIBER__POOL__ALLOWED_FAILURES)."
-                ),
-            )
+        for chunk, err in failed:
+            self._settle(chunk, False, err)
+        if storm is not None:
+            with self._lock:
+                jobs = list(self._cache)
+            for job in jobs:
+                job._fail(storm)
+
+    def _item_error(self, chunk: _Chunk, peer: _Peer) -> WorkerLostError:
+        name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
+        return WorkerLostError(
+            f"task {name}: this item (index {chunk.first_item()}) killed every "
+            f"process it ran in: {chunk.attempts} worker "
+            f"processes died while it ran (last on {chunk.worker}, pid {peer.pid}); "
+            f"the limit is fiber.pool.allowed-failures={self._allowed_failures}. A "
+            "task that crashes its process (segfault, os._exit, out of memory) "
+            "fails this way; fix the task or raise the limit "
+            "(DASK_FIBER__POOL__ALLOWED_FAILURES)."
+        )
+
+    def _storm_error(self) -> WorkerLostError:
+        span = self._losses[-1] - self._losses[0]
+        return WorkerLostError(
+            f"workers kept dying under the pool: {len(self._losses)} losses in "
+            f"{span:.1f} s with no chunk finishing in between (the limit is "
+            f"max(10, 2 x (fiber.pool.allowed-failures + 1) x processes) = "
+            f"{self._loss_limit}). The cluster is losing its workers (out of "
+            "memory? preempted hosts?); check the workers' logs."
+        )
 
     def _break(self, exc: BaseException) -> None:
         """The pool cannot work (its initializer fails): fail all, now and later."""
         with self._lock:
-            self._broken = exc
+            if self.broken is None:
+                self.broken = exc
             jobs = list(self._cache)
         for job in jobs:
             job._fail(exc)
 
-    # ---------------------------------------------------------------- the loops
+    # -------------------------------------------------------------- the loops
 
-    def _submit_loops(self, n: int) -> None:
-        for _ in range(n):
-            slot = next(self._slot_counter)
-            fut = self._client.submit(
-                run_pool_worker,
-                self._server.address,
-                self._server.authkey,
-                self._service,
-                slot,
-                self._init_blob,
-                self._maxtasks,
-                # On a cluster we started, a task that ignores terminate() for
-                # 2 s ends its worker process (the nanny starts another).
-                _TERMINATE_GRACE if self._handle.owned else None,
-                key=f"fiber-pool-{self._token}-{slot}",
-                pure=False,
-                resources=self._resources,
-            )
-            self._loops[fut.key] = fut
-            fut.add_done_callback(functools.partial(_on_loop_done, weakref.ref(self)))
+    def _submit_loop(self, position: int) -> None:
+        n = next(self._loop_numbers)
+        fut = self._client.submit(
+            run_pool_worker,
+            self._server.address,
+            self._server.authkey,
+            self._service,
+            n,
+            self._init_blob,
+            self._maxtasks,
+            # On a cluster we started, a task that ignores terminate() for
+            # _TERMINATE_GRACE ends its worker process (the nanny starts another).
+            _TERMINATE_GRACE if self._handle.owned else None,
+            key=f"fiber-pool-{self._token}-{n}",
+            pure=False,
+            resources=self._resources,
+        )
+        self._loops[n] = fut
+        self._position[n] = position
+        _watch(self._client, fut, weakref.ref(self), n)
 
     def _maintain(self) -> None:
-        """Replace loops that ended while work remains; warn if none connect."""
+        """Replace loops that ended while work remains; fail if none can start."""
         while self._loop_done:
-            fut = self._loop_done.popleft()
-            self._loops.pop(fut.key, None)
-            if self._state == TERMINATE or self._stop_sent is not None or self._broken:
+            if self._client.status == "connecting" and self.state != TERMINATE:
+                break  # the client is reconnecting: replace the loops after that
+            n = self._loop_done.popleft()
+            fut = self._loops.pop(n, None)
+            position = self._position.pop(n, None)
+            recycled = n in self._recycled
+            self._recycled.discard(n)
+            if fut is None or position is None:
                 continue
-            reason = None
-            if fut.status == "finished":
-                try:
-                    reason = fut.result(timeout=5)
-                except Exception as e:
-                    reason = repr(e)
-                if reason == "initializer-failed":
-                    continue
-            elif fut.status == "error":
-                try:
-                    reason = repr(fut.exception(timeout=5))
-                except Exception as e:
-                    reason = repr(e)
-            if reason not in ("recycled", "stopped", "no-pool"):
+            if self.state == TERMINATE or self._stop_sent is not None or self.broken:
+                continue
+            if self._client.status != "running":
+                self._break(self._lost_scheduler())
+                continue
+            reason = proto.Reason.RECYCLED if recycled else self._reason(fut, n)
+            if reason == proto.Reason.INIT_FAILED:
+                continue
+            if reason not in proto.Reason.NORMAL:
                 self._loop_failures += 1
                 logger.info(
                     "fiber-dask: pool loop ended (%s); starting another", reason
                 )
-            if self._loop_failures > 3 + 2 * self._processes:
+            if self._loop_failures > 3 + 2 * self.processes:
                 self._break(
                     WorkerLostError(
                         f"pool-worker loops keep failing before they connect (last: "
@@ -454,59 +794,100 @@ class PoolEngine:
                     )
                 )
                 continue
-            self._submit_loops(1)
+            try:
+                self._submit_loop(position)
+            except Exception as e:
+                self._break(self._lost_scheduler(e))
         if self._peers or not self._cache:
             self._no_peers_since = time.monotonic()
             self._warned_waiting = False
-        elif not self._warned_waiting and time.monotonic() - self._no_peers_since > 60:
+            return
+        waited = time.monotonic() - self._no_peers_since
+        if self._client.status not in ("running", "connecting"):
+            self._break(self._lost_scheduler())
+        elif not self._warned_waiting and waited > 60:
             self._warned_waiting = True
             logger.warning(
                 "fiber-dask: a pool has had work waiting for 60 s but no pool worker is "
                 "running; the cluster at %s may have no free task slots or workers.",
-                self._client.scheduler.address,
+                self._address,
             )
 
-    def _cancel_loops(self, only_unconnected: bool = False) -> None:
-        """Release the loop tasks.  A running loop ends by itself on "S"/"K";
-        cancelling it only tells Dask we no longer want it."""
-        futs = list(self._loops.values())
-        if only_unconnected:
-            futs = [f for f in futs if f.status == "pending"]
-        if not futs:
-            return
-        try:
-            self._client.cancel(futs)
-        except Exception:  # the client may already be closing at exit
-            pass
+    def _reason(self, fut: Any, n: int) -> str:
+        """Why a loop's task ended.  Only asked of loops that never connected
+        (those that did told us over the channel), with a short timeout."""
+        if fut.status == "finished":
+            if n in self._connected:
+                return proto.Reason.TERMINATED
+            try:
+                return fut.result(timeout=2)
+            except Exception as e:
+                return repr(e)
+        if fut.status == "error":
+            try:
+                return repr(fut.exception(timeout=2))
+            except Exception as e:
+                return repr(e)
+        return fut.status
 
-    def _release_slots(self) -> None:
-        """Stop counting this pool's loops against the cluster's slots."""
-        with _slots_lock:
-            if self._processes_counted:
-                self._processes_counted = False
-                key = id(self._handle)
-                _slots_in_use[key] = max(0, _slots_in_use.get(key, 0) - self._processes)
+    def _lost_scheduler(self, cause: BaseException | None = None) -> Exception:
+        timeout = config.timedelta("connect-timeout")
+        return ClusterConnectionError(
+            f"the pool lost its Dask scheduler at {self._address} (client "
+            f"{self._client.status}; it gave up reconnecting within "
+            f"fiber.connect-timeout={timeout:g}s){': ' + repr(cause) if cause else ''}"
+            ". Work still running on connected workers completes; new work needs "
+            "the scheduler back: restart it and create a new Pool."
+        )
+
+    def _release_loops(self, only_unconnected: bool = False) -> None:
+        """Let Dask forget loop tasks (non-blocking: a released future sends
+        its release from the client's event loop).  A connected loop ends by
+        itself on STOP/TERMINATE; releasing one that never connected keeps it
+        from starting."""
+        for n, fut in list(self._loops.items()):
+            if only_unconnected and n in self._connected:
+                continue
+            try:
+                fut.release()
+            except Exception:  # the client may be closing at exit
+                pass
+
+    def _loops_running(self) -> bool:
+        """A connected loop's Dask task has not ended yet (after it hung up,
+        a moment before the worker reports it finished)."""
+        if self._client.status != "running":
+            return False
+        return any(
+            f.status == "pending"
+            for n, f in list(self._loops.items())
+            if n in self._connected
+        )
+
+    def _release_claim(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.release()
 
     def _release(self) -> None:
-        """Give back what this pool holds: its service, slots and sockets."""
-        if getattr(self, "_released", False):
-            return
-        self._released = True
-        self._server.unregister(self._service)
+        """Give back what this pool holds: its service, slots, loops, sockets."""
         with self._lock:
+            if self._released:
+                return
+            self._released = True
             peers = list(self._peers.values())
             self._peers.clear()
-            self._loads().clear()
+            self._peer_at.clear()
+            self._load_index.clear()
+        self._server.unregister(self._service)
         for peer in peers:
-            self._unregister(peer.conn)
             channel.hangup(peer.conn)
-        self._release_slots()
-        sel = self.__dict__.get("_sel")
-        if sel is not None:
-            sel.close()
+        self._release_claim()
+        self._release_loops()
+        self._sel.close()
         for s in (self._wake_r, self._wake_w):
             s.close()
-        _live_pools.discard(self)
+        _live.discard(self)
 
 
 def _chunks_to_come(job) -> int:
@@ -517,42 +898,37 @@ def _chunks_to_come(job) -> int:
     return -(-(len(job._items) - job._chunk_index * size) // size)
 
 
-def _result_thread(ref) -> None:
-    """Run the pool's result loop while the pool exists and has work."""
-    while True:
-        pool = ref()
-        if pool is None:
-            return
+def _watch(client: Any, fut: Any, ref: Any, n: int) -> None:
+    """Tell the engine when a loop's task ends, from the client's event loop.
+
+    Not ``Future.add_done_callback``: that hands the callback to a thread pool,
+    which refuses work once the interpreter is shutting down (and printed a
+    traceback per loop at exit).
+    """
+
+    async def watch() -> None:
         try:
-            if not pool._step():
-                if pool._state == CLOSE:
-                    pool._cancel_loops()
-                pool._release()
-                return
-        except Exception:  # pragma: no cover - keep the traceback visible
-            logger.exception("fiber-dask: pool result thread failed")
-            pool._break(
-                RuntimeError("the fiber-dask pool result thread failed; see the log")
-            )
-            pool._release()
+            while fut.status == "pending":
+                await fut._state.wait()
+        except Exception:
             return
-        del pool
+        engine = ref()
+        if engine is not None:
+            engine._loop_done.append(n)
+            engine._wake()
+
+    try:
+        client.loop.add_callback(watch)
+    except Exception:  # pragma: no cover - a client closing under us
+        pass
 
 
 def _on_connect(ref, conn, hello) -> None:
-    pool = ref()
-    if pool is None:
+    engine = ref()
+    if engine is None:
         channel.hangup(conn)
         return
-    pool._on_connect(conn, hello)
-
-
-def _on_loop_done(ref, fut) -> None:
-    # Runs in the client's event-loop thread: only hand the future over.
-    pool = ref()
-    if pool is not None:
-        pool._loop_done.append(fut)
-        pool._wake()
+    engine._on_connect(conn, hello)
 
 
 def _send_quietly(peer: _Peer, msg: bytes) -> None:
@@ -569,10 +945,32 @@ def _authkey() -> bytes:
     return bytes(multiprocessing.current_process().authkey)
 
 
-def _terminate_all_pools() -> None:
-    for pool in list(_live_pools):
+def _stop_all_at_exit() -> None:
+    """Stop every pool before the clients close (a cluster shutdown hook).
+
+    Terminate them all at once, then wait (together, at most ``_EXIT_WAIT``
+    seconds) for their loops to hang up and their Dask tasks to end, so that
+    closing the cluster cuts no running task (which is what made distributed
+    print warnings at exit).
+    """
+    engines = list(_live)
+    for engine in engines:
         try:
-            pool.terminate()
-            pool._thread.join(timeout=5)
-        except Exception:  # pragma: no cover - best effort at shutdown
+            engine.terminate()
+        except Exception:  # pragma: no cover - best effort at exit
             pass
+    deadline = time.monotonic() + _EXIT_WAIT
+    for engine in engines:
+        thread = engine._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and any(
+        e._loops_running() for e in engines if e._client.status == "running"
+    ):
+        time.sleep(0.01)
+    for engine in engines:
+        engine._release()
+
+
+cluster.on_shutdown(_stop_all_at_exit)
+cluster.on_shutdown(channel.close_servers, after_close=True)

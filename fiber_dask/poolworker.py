@@ -1,27 +1,25 @@
-"""The pool-worker loop: a long-running Dask task that executes Pool chunks.
+"""The pool-worker loop: the code that runs Pool chunks, next to a Dask worker.
 
-Dask places one loop per pool slot on its workers and re-runs a loop whose
-worker died.  The loop connects back to the pool's owner over the direct
-channel and then only moves bytes: no scheduler round trip per task.
+Dask places one loop per pool slot (the long-running task
+:func:`run_pool_worker`) and re-runs a loop whose worker died.  The loop
+connects back to the pool's owner over the direct channel and then only moves
+bytes: no scheduler round trip per task.  The messages are those of
+:mod:`fiber_dask.poolprotocol`, which both ends share.
 
-Messages (pickled tuples), owner → loop:
+Two steps, kept apart so that they can also run in a process of their own:
 
-* ``("T", ckey, fid, fblob, mode, payload, retries)`` run a chunk (``payload``
-  is the pickled list of items); ``fblob`` is the
-  cloudpickled function the first time this loop sees ``fid``, else None;
-  ``mode`` 0: ``f(x)``, 1: ``f(*x)``, 2: ``f(*args, **kwds)``.
-* raw ``b"S"``: stop after the queued work; raw ``b"K"``: stop now (terminate).
+* :func:`connect_to_owner` — dial the owner's channel service;
+* :func:`serve` — given that connection, run the initializer and serve chunks
+  until STOP, TERMINATE, the owner's loss or ``maxtasksperchild``; returns why
+  it ended (a :class:`~fiber_dask.poolprotocol.Reason`).  It does not assume it
+  runs inside a Dask worker.
 
-loop → owner:
-
-* ``("R", ckey, ok, blob, seconds, last)`` a chunk's pickled results (a list)
-  or its exception (wrapped with the remote traceback, as the stdlib does); ``last``
-  is True when ``maxtasksperchild`` retires this loop.
-* ``("I", blob)`` the initializer raised (the pickled exception).
+:func:`serve_slot` is the two in a row; :func:`run_pool_worker`, the Dask task,
+calls it in its own thread.
 
 A receiver thread drains the socket into a local queue at all times, so the
 owner's sends never block on a busy worker (which would deadlock against our
-own result sends), and so ``("K",)`` can interrupt a running task.
+own result sends), and so TERMINATE can interrupt a running task.
 """
 
 from __future__ import annotations
@@ -32,34 +30,18 @@ import pickle
 import queue
 import threading
 import time
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.pool import MaybeEncodingError
 from typing import Any
 
 from . import channel
+from . import poolprotocol as proto
 from .mainglobals import MainNamespace
 
-__all__ = ["run_pool_worker"]
-
-_FUNC_CACHE_SIZE = 512
+__all__ = ["run_pool_worker", "serve_slot", "connect_to_owner", "serve"]
 
 
 class _Terminated(BaseException):
-    """Raised asynchronously in the executing thread by ``("K",)`` or owner loss."""
-
-
-def _dumps_value(value: Any) -> bytes:
-    # Plain pickle first: it is fastest, and classes the owner can import go by
-    # reference.  cloudpickle for what only it can carry (lambdas, closures).
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        import cloudpickle
-
-        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _wrap(exc: BaseException) -> Any:
-    return ExceptionWithTraceback(exc, exc.__traceback__)
+    """Raised asynchronously in the executing thread by TERMINATE or owner loss."""
 
 
 class _Loop:
@@ -73,24 +55,35 @@ class _Loop:
         self.stop_now = False
         self.main_ident = threading.get_ident()
         self.main = MainNamespace()  # the script's globals, shared by its functions
+        self.funcs = proto.LoopFunctions(
+            lambda blob: self.main.adopt(pickle.loads(blob))
+        )
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: Any) -> None:
+        raw = proto.encode(msg)
         with self.send_lock:
-            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self.conn.send_bytes(raw)
 
     def send_result(
         self, ckey: int, ok: bool, value: Any, secs: float, last: bool
     ) -> None:
         """Send a chunk's outcome.  The value is pickled on its own so the owner
         can fail just this chunk if it cannot load it."""
-        try:
-            blob = _dumps_value(value)
-        except Exception as e:
-            # The stdlib's rule: a result that cannot be pickled becomes a
-            # MaybeEncodingError for that task, and the worker carries on.
-            shown = value[0] if ok and value else value
-            ok, blob = False, _dumps_value(MaybeEncodingError(e, shown))
-        self.send(("R", ckey, ok, blob, secs, last))
+        if ok:
+            try:
+                blob = proto.dumps_value(value)
+            except Exception as e:
+                # The stdlib's rule: a result that cannot be pickled becomes a
+                # MaybeEncodingError for that task, and the worker carries on.
+                ok, blob = (
+                    False,
+                    proto.encode_failure(
+                        MaybeEncodingError(e, value[0] if value else value)
+                    ),
+                )
+        else:
+            blob = proto.encode_failure(value)
+        self.send(proto.Result(ckey, ok, blob, secs, last))
 
     def receive(self) -> None:
         """Receiver thread: drain the socket; interrupt the task on K or EOF."""
@@ -99,7 +92,7 @@ class _Loop:
                 raw = self.conn.recv_bytes()
             except (EOFError, OSError):
                 raw = None
-            if raw is None or raw == b"K":
+            if raw is None or raw == proto.TERMINATE:
                 self.stop_now = True
                 with self.exec_lock:
                     if self.executing:
@@ -140,6 +133,71 @@ class _Loop:
                 self.executing = False
 
 
+def connect_to_owner(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    slot: int,
+    worker: str | None = None,
+) -> Any:
+    """Connect to the pool's owner: a channel ``Connection``, or the
+    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string)."""
+    try:
+        return channel.connect(
+            address,
+            authkey,
+            service,
+            hello={"pid": os.getpid(), "worker": worker, "slot": slot},
+        )
+    except channel.ChannelError as e:
+        if isinstance(e.__cause__, OSError):
+            # The owner cannot be reached from this host (an address valid
+            # only on its own host, a firewall, a partition; or it exited).
+            # Not "no-pool": the pool counts this as a failed loop, so that it
+            # fails with an error naming the address instead of starting
+            # loops that cannot connect forever.
+            return f"{proto.Reason.UNREACHABLE}: {e}"
+        # The pool is gone (closed): nothing to do.
+        return proto.Reason.NO_POOL
+
+
+def serve(
+    conn: Any,
+    init_blob: bytes | None,
+    maxtasks: int | None,
+    kill_after: float | None = None,
+) -> str:
+    """Run the initializer, then serve chunks from ``conn`` until told to end.
+
+    Returns why it ended (:class:`~fiber_dask.poolprotocol.Reason`).  Hangs up
+    ``conn`` before returning.  ``kill_after``: seconds after a terminate (or
+    the owner's loss) at which a task that has not stopped ends this process;
+    None never does.
+    """
+    import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
+
+    loop = _Loop(conn, kill_after)
+    try:
+        if init_blob is not None:
+            try:
+                initializer, initargs = pickle.loads(init_blob)
+                initializer = loop.main.adopt(initializer)
+                loop.call(initializer, 1, initargs)
+            except Exception as e:
+                # Also an initializer that cannot be loaded here (ImportError):
+                # the owner fails the pool with it, it never runs without it.
+                loop.send(proto.InitFailed(proto.encode_failure(e)))
+                return proto.Reason.INIT_FAILED
+        threading.Thread(
+            target=loop.receive, name="fiber-pool-recv", daemon=True
+        ).start()
+        return _serve(loop, maxtasks)
+    except _Terminated:
+        return proto.Reason.TERMINATED
+    finally:
+        channel.hangup(conn)
+
+
 def run_pool_worker(
     address: tuple[str, int],
     authkey: bytes,
@@ -149,94 +207,77 @@ def run_pool_worker(
     maxtasks: int | None,
     kill_after: float | None = None,
 ) -> str:
-    """Body of one pool-worker Dask task.  Returns why it ended.
-
-    ``kill_after``: seconds after a terminate (or the owner's loss) at which a
-    task that has not stopped ends this process; None never does.
-    """
-    import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
-
+    """Body of one pool-worker Dask task: :func:`serve_slot` in this thread."""
     try:
         from distributed import get_worker
 
         worker_address = get_worker().address
     except (ImportError, ValueError):
         worker_address = None
-    try:
-        conn = channel.connect(
-            address,
-            authkey,
-            service,
-            hello={"pid": os.getpid(), "worker": worker_address, "slot": slot},
-        )
-    except channel.ChannelError as e:
-        if isinstance(e.__cause__, OSError):
-            # The owner cannot be reached from this host (an address valid
-            # only on its own host, a firewall, a partition; or it exited).
-            # Not "no-pool": the pool counts this as a failed loop, so that it
-            # fails with an error naming the address instead of starting
-            # loops that cannot connect forever.
-            return f"unreachable: {e}"
-        # The pool is gone (closed): nothing to do.
-        return "no-pool"
-    loop = _Loop(conn, kill_after)
-    try:
-        if init_blob is not None:
-            try:
-                initializer, initargs = pickle.loads(init_blob)
-                initializer = loop.main.adopt(initializer)
-                loop.call(initializer, 1, initargs)
-            except Exception as e:
-                loop.send(("I", _dumps_value(_wrap(e))))
-                return "initializer-failed"
-        threading.Thread(
-            target=loop.receive, name="fiber-pool-recv", daemon=True
-        ).start()
-        return _serve(loop, maxtasks)
-    except _Terminated:
-        return "terminated"
-    finally:
-        channel.hangup(conn)
+    return serve_slot(
+        address,
+        authkey,
+        service,
+        slot,
+        init_blob,
+        maxtasks,
+        kill_after,
+        worker_address,
+    )
+
+
+def serve_slot(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    slot: int,
+    init_blob: bytes | None,
+    maxtasks: int | None,
+    kill_after: float | None,
+    worker_address: str | None,
+) -> str:
+    """:func:`connect_to_owner`, then :func:`serve`: one pool slot, wherever it
+    runs (a Dask task thread, or the main thread of a process of its own).
+    Returns why it ended."""
+    conn = connect_to_owner(address, authkey, service, slot, worker_address)
+    if isinstance(conn, str):
+        return conn
+    return serve(conn, init_blob, maxtasks, kill_after)
 
 
 def _serve(loop: _Loop, maxtasks: int | None) -> str:
-    funcs: dict[int, Any] = {}
     completed = 0
     while True:
         raw = loop.inbox.get()
         if raw is None or loop.stop_now:
-            return "terminated"
-        if raw == b"S":
-            return "stopped"
-        # The envelope holds only plain types; the function and the arguments
-        # are unpickled inside the try, so one that cannot be loaded here (a
-        # module missing on this host) fails its task, not the loop.
-        _, ckey, fid, fblob, mode, payload, retries = pickle.loads(raw)
+            return proto.Reason.TERMINATED
+        call = proto.decode(raw)
+        if call == proto.STOP:
+            return proto.Reason.STOPPED
         start = time.perf_counter()
+        # The envelope holds only plain types; the function and the arguments
+        # are loaded inside the try, so one that cannot be loaded here (a
+        # module missing on this host) fails its task, not the loop.
         try:
-            items = pickle.loads(payload)
-            func = funcs.get(fid)
-            if func is None:
-                func = loop.main.adopt(pickle.loads(fblob))
-                if len(funcs) >= _FUNC_CACHE_SIZE:
-                    funcs.pop(next(iter(funcs)))
-                funcs[fid] = func
+            func = loop.funcs.lookup(call)
+            items = pickle.loads(call.payload)
             results = []
+            retries = call.retries
             for item in items:
                 for attempt in range(retries + 1):
                     try:
-                        results.append(loop.call(func, mode, item))
+                        results.append(loop.call(func, call.mode, item))
                         break
                     except Exception:
                         if attempt == retries:
                             raise
-            reply: tuple = ("R", ckey, True, results)
+            ok, value = True, results
         except _Terminated:
             raise
         except Exception as e:
-            reply = ("R", ckey, False, _wrap(e))
+            ok, value = False, e
         completed += 1
         last = bool(maxtasks) and completed >= maxtasks
-        loop.send_result(ckey, reply[2], reply[3], time.perf_counter() - start, last)
+        loop.send_result(call.ckey, ok, value, time.perf_counter() - start, last)
         if last:
-            return "recycled"
+            return proto.Reason.RECYCLED

@@ -277,7 +277,7 @@ def test_pool_of_more_processes_than_slots_grows_the_embedded_cluster(tmp_path):
                 client = cluster.get_client()
                 client.wait_for_workers(3, timeout=60)
                 deadline = time.monotonic() + 30
-                while len(pool._peers) < 3 and time.monotonic() < deadline:
+                while sum(s.is_alive() for s in pool._pool) < 3 and time.monotonic() < deadline:
                     time.sleep(0.05)  # all three pool loops connected
                 # Three tasks that overlap in time run in three processes.
                 pids = pool.map(pid_after, [2.0] * 3, chunksize=1)

@@ -38,6 +38,8 @@ from helpers import (
     sleepy,
     square,
 )
+from helpers_poolcore import marked_sleep
+from support.wait import wait_for_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -298,6 +300,13 @@ def test_failed_result_not_successful(ctx):
 # ----------------------------------------------------------------------- callbacks
 
 
+def _drain(pool):
+    """Close and join: once join() returns, the result thread is done, so a
+    callback that was going to be called twice would have been."""
+    pool.close()
+    pool.join()
+
+
 class _Recorder:
     """Records callback calls: value, pid, thread, and whether ready() was True.
 
@@ -336,27 +345,30 @@ def test_apply_async_callback(ctx):
             ("v", os.getpid(), False)
         ]
         assert on_ok.calls[0][2] != threading.get_ident()
-        time.sleep(0.2)
+        _drain(pool)
         assert len(on_ok.calls) == 1
         assert on_err.calls == []
 
 
-def test_apply_async_error_callback(ctx):
+@pytest.mark.parametrize("method", ["apply_async", "map_async"])
+def test_error_callback(ctx, method):
     with ctx.Pool(2) as pool:
         on_ok, on_err = _Recorder(), _Recorder()
-        res = pool.apply_async(
-            raise_value_error, ("boom",), callback=on_ok, error_callback=on_err
-        )
+        callbacks = {"callback": on_ok, "error_callback": on_err}
+        if method == "apply_async":
+            res = pool.apply_async(raise_value_error, ("bad item 3",), **callbacks)
+        else:
+            res = pool.map_async(fail_on_three, range(N), chunksize=2, **callbacks)
         on_ok.attach(res)
         on_err.attach(res)
-        with pytest.raises(ValueError, match="boom"):
+        with pytest.raises(ValueError, match="bad item 3"):
             res.get(timeout=30)
         assert len(on_err.calls) == 1
         exc, pid, _, ready = on_err.calls[0]
-        assert type(exc) is ValueError and str(exc) == "boom"
+        assert type(exc) is ValueError and str(exc) == "bad item 3"
         assert pid == os.getpid()
         assert ready is False
-        time.sleep(0.2)
+        _drain(pool)
         assert len(on_err.calls) == 1
         assert on_ok.calls == []
 
@@ -373,29 +385,9 @@ def test_map_async_callback_gets_full_list(ctx):
         assert [(v, pid, ready) for v, pid, _, ready in on_ok.calls] == [
             (SQUARES, os.getpid(), False)
         ]
-        time.sleep(0.2)
+        _drain(pool)
         assert len(on_ok.calls) == 1
         assert on_err.calls == []
-
-
-def test_map_async_error_callback(ctx):
-    with ctx.Pool(2) as pool:
-        on_ok, on_err = _Recorder(), _Recorder()
-        res = pool.map_async(
-            fail_on_three, range(N), chunksize=2, callback=on_ok, error_callback=on_err
-        )
-        on_ok.attach(res)
-        on_err.attach(res)
-        with pytest.raises(ValueError, match="bad item 3"):
-            res.get(timeout=30)
-        assert len(on_err.calls) == 1
-        exc, pid, _, ready = on_err.calls[0]
-        assert type(exc) is ValueError and str(exc) == "bad item 3"
-        assert pid == os.getpid()
-        assert ready is False
-        time.sleep(0.2)
-        assert len(on_err.calls) == 1
-        assert on_ok.calls == []
 
 
 def test_starmap_async_callback(ctx):
@@ -569,11 +561,15 @@ def test_join_without_close_raises(ctx):
         pool.terminate()
 
 
-def test_terminate_then_join_is_prompt(ctx):
+def test_terminate_then_join_is_prompt(ctx, tmp_path):
     pool = ctx.Pool(2)
     try:
-        results = [pool.apply_async(sleepy, (LONG_TASK,)) for _ in range(2)]
-        time.sleep(0.5)  # let the tasks start
+        results = [
+            pool.apply_async(marked_sleep, (str(tmp_path / f"started-{i}"), LONG_TASK))
+            for i in range(2)
+        ]
+        for i in range(2):
+            wait_for_file(str(tmp_path / f"started-{i}"))
         assert not any(r.ready() for r in results)
         t0 = time.monotonic()
         pool.terminate()
@@ -587,12 +583,12 @@ def test_terminate_then_join_is_prompt(ctx):
         pool.apply_async(square, (1,))
 
 
-def test_context_manager_exit_terminates(ctx):
+def test_context_manager_exit_terminates(ctx, tmp_path):
     p = ctx.Pool(2)
     with p as pool:
         assert pool is p
-        res = pool.apply_async(sleepy, (LONG_TASK,))
-        time.sleep(0.3)
+        res = pool.apply_async(marked_sleep, (str(tmp_path / "started"), LONG_TASK))
+        wait_for_file(str(tmp_path / "started"))
         t0 = time.monotonic()
     elapsed = time.monotonic() - t0
     assert elapsed < PROMPT, f"__exit__ took {elapsed:.2f}s"
@@ -779,9 +775,10 @@ def test_fiber_imap_bounded_read_ahead(fiber_ctx):
     finally:
         pool.terminate()
     pool.join()
-    time.sleep(0.5)
+    # join() returned: the result thread, which alone reads the input for
+    # the loops, has ended, so the generator cannot be pulled any more.
     after_terminate = pulled
-    time.sleep(0.5)
+    assert pool._engine.join(timeout=0)
     assert pulled == after_terminate, "generator still consumed after terminate()"
     assert pulled_at_consumption < 100_000, pulled_at_consumption
     assert pulled < 100_000, pulled

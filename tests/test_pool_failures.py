@@ -7,15 +7,17 @@ process this test started.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import threading
 import time
 
 import dask
 import pytest
 from distributed import Client
 from helpers_cluster import loopback_cluster
+from helpers_poolcore import counted_square, executions, marked_spin
+from support.wait import wait_for_file, wait_until
 
 import fiber_dask
 from fiber_dask import WorkerLostError
@@ -38,45 +40,42 @@ def kill_self(_):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def worker_pids(client):
-    return list(client.run(os.getpid).values())
+def kill_marked(directory, x) -> int:
+    """Wait for item ``x``'s started marker, then SIGKILL the process it names."""
+    path = wait_for_file(os.path.join(directory, f"started-{x}"), timeout=60)
+    with open(path) as f:
+        pid = int(f.read())
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
-def kill_one_worker_after(client, delay):
-    """SIGKILL one worker process (from a thread, while the caller waits)."""
-    pids = worker_pids(client)
-    victim = pids[0]
-
-    def go():
-        time.sleep(delay)
-        os.kill(victim, signal.SIGKILL)
-
-    t = threading.Thread(target=go)
-    t.start()
-    return victim, t
-
-
-def test_map_survives_sigkill_of_a_worker(client):
+def test_map_survives_sigkill_of_a_worker(client, tmp_path):
+    d = str(tmp_path)
     with fiber_dask.Pool(2, client=client) as pool:
         assert pool.apply(slow_square, (2,)) == 4  # loops are up
-        victim, killer = kill_one_worker_after(client, 0.5)
-        result = pool.map(slow_square, range(60), chunksize=2)
-        killer.join()
-        assert result == [x * x for x in range(60)]
+        res = pool.map_async(
+            functools.partial(counted_square, directory=d, victims=(20,)),
+            range(60),
+            chunksize=2,
+        )
+        victim = kill_marked(d, 20)
+        assert res.get(timeout=90) == [x * x for x in range(60)]
+        assert executions(d, 20) == 2  # killed while running, then re-run
         # The victim is really gone (the nanny starts a new process instead).
         with pytest.raises(ProcessLookupError):
             os.kill(victim, 0)
 
 
-def test_imap_and_apply_async_survive_sigkill(client):
+def test_imap_and_apply_async_survive_sigkill(client, tmp_path):
+    d = str(tmp_path)
     with fiber_dask.Pool(2, client=client) as pool:
         pool.apply(slow_square, (1,))
-        _, killer = kill_one_worker_after(client, 0.4)
-        asyncs = [pool.apply_async(slow_square, (i,)) for i in range(20)]
+        asyncs = [pool.apply_async(counted_square, (i, d, (5,))) for i in range(20)]
+        kill_marked(d, 5)
         streamed = list(pool.imap(slow_square, range(40)))
-        killer.join()
         assert streamed == [x * x for x in range(40)]
         assert [r.get(timeout=60) for r in asyncs] == [x * x for x in range(20)]
+        assert executions(d, 5) == 2
 
 
 def test_task_that_kills_every_worker_fails_clearly(client):
@@ -87,6 +86,7 @@ def test_task_that_kills_every_worker_fails_clearly(client):
                 res.get(timeout=90)
             message = str(info.value)
             assert "kill_self" in message
+            assert "this item (index 0) killed every process it ran in" in message
             assert "fiber.pool.allowed-failures=1" in message
             assert isinstance(info.value, fiber_dask.ProcessError)
             # The pool still works once the nannies have restarted the workers.
@@ -127,13 +127,11 @@ def executing_tasks(client):
     )
 
 
-def test_terminate_interrupts_a_cpu_bound_task(client):
+def test_terminate_interrupts_a_cpu_bound_task(client, tmp_path):
     pool = fiber_dask.Pool(2, client=client)
-    res = pool.apply_async(spin_forever, (0,))
-    deadline = time.monotonic() + 30
-    while executing_tasks(client) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)
+    marker = str(tmp_path / "started")
+    res = pool.apply_async(marked_spin, (marker,))
+    wait_for_file(marker)
     assert not res.ready()
     pool.terminate()
     pool.join()
@@ -141,22 +139,23 @@ def test_terminate_interrupts_a_cpu_bound_task(client):
         res.get(timeout=5)
     # The spinning task was interrupted: its worker thread is free again
     # (the stdlib would SIGTERM the process; we must not kill a Dask worker).
-    deadline = time.monotonic() + 10
-    while executing_tasks(client) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert executing_tasks(client) == 0
+    wait_until(lambda: executing_tasks(client) == 0, 10, "no task executing")
 
 
-def test_worker_death_with_maxtasksperchild(client):
+def test_worker_death_with_maxtasksperchild(client, tmp_path):
+    d = str(tmp_path)
     with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
         pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
     with pool:
         pool.apply(slow_square, (1,))
-        _, killer = kill_one_worker_after(client, 0.3)
-        assert pool.map(slow_square, range(30), chunksize=1) == [
-            x * x for x in range(30)
-        ]
-        killer.join()
+        res = pool.map_async(
+            functools.partial(counted_square, directory=d, victims=(10,)),
+            range(30),
+            chunksize=1,
+        )
+        kill_marked(d, 10)
+        assert res.get(timeout=90) == [x * x for x in range(30)]
+        assert executions(d, 10) == 2
 
 
 def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
@@ -174,16 +173,17 @@ def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
         import fiber_dask
         from fiber_dask import cluster
 
-        def executing(dask_worker):
-            return len(dask_worker.state.executing)
+        def marked_sleep(path, delay):
+            open(path, "w").close()
+            time.sleep(delay)
 
         if __name__ == "__main__":
+            import sys
+            marker = sys.argv[1]
             pool = fiber_dask.Pool(1)
-            res = pool.apply_async(time.sleep, (600,))
-            client = cluster.get_client()
-            while sum(client.run(executing).values()) < 1:
-                time.sleep(0.1)
-            time.sleep(0.5)
+            res = pool.apply_async(marked_sleep, (marker, 600))
+            while not os.path.exists(marker):  # the task has started
+                time.sleep(0.01)
             t0 = time.monotonic()
             pool.terminate()
             pool.join()
@@ -193,7 +193,7 @@ def test_terminate_stops_a_task_blocked_in_c_on_the_embedded_cluster(tmp_path):
     """)
     )
     proc = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), str(tmp_path / "started")],
         capture_output=True,
         text=True,
         timeout=100,
@@ -209,7 +209,7 @@ def test_dropped_running_pool_warns_and_frees_its_slots(client):
 
     pool = fiber_dask.Pool(2, client=client)
     assert pool.apply(slow_square, (3,)) == 9
-    thread = pool._thread
+    thread = pool._engine._thread
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         del pool
@@ -221,7 +221,4 @@ def test_dropped_running_pool_warns_and_frees_its_slots(client):
         for w in caught
     )
     # Its loops ended, so a new pool gets both slots.
-    deadline = time.monotonic() + 20
-    while executing_tasks(client) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert executing_tasks(client) == 0
+    wait_until(lambda: executing_tasks(client) == 0, 20, "its loops to end")

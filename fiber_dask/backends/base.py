@@ -32,18 +32,46 @@ class ClusterHandle:
     #: (``name``, ``id``, ``state``, ``workers``), for ``fiber-dask info``.
     jobs: Callable[[], list[dict[str, Any]]] | None = None
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Close what fiber-dask opened; ``timeout`` bounds each close (at
+        exit nothing may wait without a deadline, also for a lost scheduler)."""
+        kw = {} if timeout is None else {"timeout": timeout}
         if self.owned:
             try:
-                self.client.close()
+                self.client.close(**kw)
             finally:
                 if self.cluster is not None:
-                    self.cluster.close()
+                    _close_workers_first(self.cluster, timeout)
+                    try:
+                        self.cluster.close(**kw)
+                    except TypeError:  # a cluster class without timeout=
+                        self.cluster.close()
         # A client we attached to a cluster we did not start is left open for
         # its owner; a client we created ourselves is closed without touching
         # the scheduler.
         elif getattr(self.client, "_fiber_created", False):
-            self.client.close()
+            self.client.close(**kw)
+
+
+def _close_workers_first(cluster: Any, timeout: float | None) -> None:
+    """Stop a ``LocalCluster``'s workers while its scheduler still runs.
+
+    Closing the cluster at once closes the scheduler first, and a worker whose
+    heartbeat is in flight then logs a traceback on its way out (noise on
+    the stderr of every script that exits)."""
+    import time
+
+    from distributed import LocalCluster
+
+    if not isinstance(cluster, LocalCluster) or not cluster.workers:
+        return
+    deadline = time.monotonic() + (timeout or 10) / 2
+    try:
+        cluster.scale(0)
+        while cluster.workers and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # the cluster is closed next in any case
+        pass
 
 
 class Backend:

@@ -1,8 +1,12 @@
-"""AsyncResult, MapResult and the imap iterators: the caller's side of a Pool job.
+"""The pool's results: AsyncResult, MapResult and the imap iterators.
 
-A job is cut into chunks; the pool sends chunks to pool-worker loops and calls
-``_chunk_done`` from its single result thread.  Callbacks run there, once,
+The caller's side of a Pool job (the stdlib keeps these in ``pool.py``).  A job
+is cut into chunks; the pool's engine sends chunks to pool-worker loops and
+calls ``_chunk_done`` from its single result thread.  Callbacks run there, once,
 before ``ready()`` turns true, as in ``multiprocessing.pool``.
+
+A job talks to its engine through three members only: ``job_finished(job)``,
+``job_consumed()`` (an imap chunk was taken by the caller) and ``draining``.
 
 Jobs also produce their chunks lazily (``_next_chunk``), which is how ``imap``
 streams from any iterable with a bounded number of chunks in flight.
@@ -31,8 +35,8 @@ class _Job:
     #: 0: f(x), 1: f(*x), 2: f(*args, **kwds)
     mode = 0
 
-    def __init__(self, pool: Any, func: Callable) -> None:
-        self._pool = pool
+    def __init__(self, engine: Any, func: Callable) -> None:
+        self._engine = engine
         self._func = func
         self._chunk_index = 0
         self._exhausted = False
@@ -40,6 +44,10 @@ class _Job:
     def _next_chunk(self) -> tuple[int, list] | None:
         """The next chunk to send, or None when exhausted or held back."""
         raise NotImplementedError
+
+    def _first_item(self, index: int) -> int:
+        """The position in the job's input of chunk ``index``'s first item."""
+        return index * getattr(self, "_chunksize", 1)
 
     def _chunk_done(self, index: int, ok: bool, value: Any) -> None:
         raise NotImplementedError
@@ -58,8 +66,8 @@ class ApplyResult(_Job):
 
     mode = 2
 
-    def __init__(self, pool, func, args, kwds, callback, error_callback) -> None:
-        super().__init__(pool, func)
+    def __init__(self, engine, func, args, kwds, callback, error_callback) -> None:
+        super().__init__(engine, func)
         self._item = (tuple(args), dict(kwds))
         self._event = threading.Event()
         self._callback = callback
@@ -113,7 +121,7 @@ class ApplyResult(_Job):
             # A callback that raises is logged by the result thread; the
             # result itself must still become ready (the stdlib hangs here).
             self._event.set()
-            self._pool._job_finished(self)
+            self._engine.job_finished(self)
 
     def _chunk_done(self, index, ok, value):
         self._settle(ok, value[0] if ok else value)
@@ -127,13 +135,19 @@ AsyncResult = ApplyResult
 
 
 class MapResult(ApplyResult):
-    """The result of :meth:`Pool.map_async` / ``starmap_async``."""
+    """The result of :meth:`Pool.map_async` / ``starmap_async``.
 
-    def __init__(self, pool, func, items, chunksize, mode, callback, error_callback):
-        super().__init__(pool, func, (), {}, callback, error_callback)
+    Beyond the stdlib: :meth:`progress` says how much is done, for a progress
+    bar that follows an asynchronous map.
+    """
+
+    def __init__(self, engine, func, items, chunksize, mode, callback, error_callback):
+        super().__init__(engine, func, (), {}, callback, error_callback)
         self.mode = mode
         self._items = items
         self._chunksize = chunksize
+        self._total = len(items)
+        self._done_items = 0
         self._value = [None] * len(items)
         self._left = -(-len(items) // chunksize) if items else 0
         if self._left == 0:
@@ -141,6 +155,22 @@ class MapResult(ApplyResult):
             self._exhausted = True
             self._success = True
             self._event.set()
+
+    def progress(self) -> tuple[int, int]:
+        """``(done_items, total_items)``: items whose results have arrived.
+
+        Grows chunk by chunk (a chunk's results arrive together).
+
+        Examples
+        --------
+        >>> res = pool.map_async(f, range(1000))       # doctest: +SKIP
+        >>> with tqdm.tqdm(total=res.progress()[1]) as bar:   # doctest: +SKIP
+        ...     while not res.ready():
+        ...         res.wait(0.2)
+        ...         bar.n = res.progress()[0]
+        ...         bar.refresh()
+        """
+        return self._done_items, self._total
 
     def _next_chunk(self):
         if self._exhausted:
@@ -163,6 +193,7 @@ class MapResult(ApplyResult):
             return
         start = index * self._chunksize
         self._value[start : start + len(value)] = value
+        self._done_items += len(value)
         self._left -= 1
         if self._left == 0:
             self._settle(True, self._value)
@@ -179,14 +210,14 @@ class IMapIterator(_Job):
 
     def __init__(
         self,
-        pool,
+        engine,
         func,
         iterable: Iterable,
         chunksize: int,
         mode: int,
         max_in_flight: int,
     ):
-        super().__init__(pool, func)
+        super().__init__(engine, func)
         self.mode = mode
         self._source: Iterator = iter(iterable)
         self._chunksize = chunksize
@@ -208,7 +239,7 @@ class IMapIterator(_Job):
         if self._exhausted:
             return None
         if (
-            not self._pool._draining
+            not self._engine.draining
             and self._chunk_index - self._consumed >= self._max_in_flight
         ):
             return None  # back-pressure: the caller has not caught up
@@ -235,7 +266,7 @@ class IMapIterator(_Job):
             self._cond.notify_all()
             done = self._finished_locked()
         if done:
-            self._pool._job_finished(self)
+            self._engine.job_finished(self)
 
     def _finished_locked(self) -> bool:
         return self._length is not None and self._received_count >= self._length
@@ -255,7 +286,7 @@ class IMapIterator(_Job):
             self._cond.notify_all()
             done = self._finished_locked()
         if done:
-            self._pool._job_finished(self)
+            self._engine.job_finished(self)
 
     def _fail(self, exc):
         with self._cond:
@@ -272,7 +303,7 @@ class IMapIterator(_Job):
                         self._done[i] = (False, exc)
             self._exhausted = True
             self._cond.notify_all()
-        self._pool._job_finished(self)
+        self._engine.job_finished(self)
 
     def _take_chunk(self, timeout: float | None) -> tuple[bool, Any]:
         with self._cond:
@@ -294,7 +325,7 @@ class IMapIterator(_Job):
                 if not self._cond.wait(timeout):
                     raise TimeoutError
         self._consumed += 1
-        self._pool._wake_dispatch()
+        self._engine.job_consumed()
         return got
 
     def next(self, timeout: float | None = None) -> Any:

@@ -1,0 +1,336 @@
+"""The Pool wire protocol: every message between a pool's owner and its loops.
+
+Both ends import this module and nothing else to speak to each other, so they
+cannot disagree about a message's shape or about which functions a loop holds
+(loky's ``process_executor`` is the model: small named message classes and one
+place that encodes them).
+
+owner → loop::
+
+    Call(ckey, fid, fblob, mode, payload, retries, evict)
+                            run the chunk ``payload`` (pickled list of items)
+    STOP                    stop after the queued work (raw bytes b"S")
+    TERMINATE               stop now, interrupting the task (raw bytes b"K")
+
+loop → owner::
+
+    Result(ckey, ok, blob, seconds, last)
+                            a chunk's outcome; ``last``: maxtasksperchild
+                            retires this loop after it
+    InitFailed(blob)        the initializer raised or could not be loaded
+
+The function cache rule (why a long-lived pool never forgets a function): the
+owner keeps, per loop, a :class:`PeerFunctions` — a bounded, least-recently-used
+record of the functions that loop holds.  It alone decides: a ``Call`` carries
+the function's pickle (``fblob``) when the loop does not hold it, and the ids
+the loop must drop (``evict``) to stay within the bound.  The loop's
+:class:`LoopFunctions` only obeys, so its content is always exactly what the
+owner believes.  Messages are handled in the order they were sent on one
+connection, which is what keeps the two in step.
+
+A function that cannot be *loaded* on the loop (an ``ImportError`` unpickling
+it) fails every task that uses it with that error; the loop keeps its pickle
+and tries again on the next use, never holding it as "missing".
+
+Failures travel as :func:`encode_failure` / :func:`decode_failure`: the
+exception itself when it can be rebuilt at the owner (also one whose
+``__init__`` needs arguments: it is rebuilt without calling ``__init__``),
+else a :class:`~fiber_dask.errors.RemoteTaskError` carrying its type name,
+message and traceback text.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import traceback
+from multiprocessing.pool import RemoteTraceback
+from typing import Any, Callable
+
+from .errors import RemoteTaskError
+
+__all__ = [
+    "Call",
+    "Result",
+    "InitFailed",
+    "STOP",
+    "TERMINATE",
+    "FUNC_CACHE_SIZE",
+    "PeerFunctions",
+    "LoopFunctions",
+    "encode",
+    "decode",
+    "encode_failure",
+    "decode_failure",
+    "dumps_value",
+    "Reason",
+]
+
+#: Functions one loop holds at most.  A pool that cycles through more (a new
+#: ``functools.partial`` per generation) re-sends the evicted ones when used.
+FUNC_CACHE_SIZE = 512
+
+STOP = b"S"
+TERMINATE = b"K"
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+class Reason:
+    """Why a loop ended: the return value of the loop's Dask task."""
+
+    STOPPED = "stopped"  # STOP after the queued work
+    TERMINATED = "terminated"  # TERMINATE, or the owner hung up
+    RECYCLED = "recycled"  # maxtasksperchild reached
+    INIT_FAILED = "initializer-failed"
+    NO_POOL = "no-pool"  # the pool was gone when the loop connected
+    UNREACHABLE = "unreachable"  # prefix: the owner could not be reached
+
+    #: Endings that are not a failure of the loop.
+    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL})
+
+
+class Call:
+    """Owner → loop: run one chunk.
+
+    ``mode`` 0: ``f(x)``, 1: ``f(*x)``, 2: ``f(*args, **kwds)``.  ``fblob`` is
+    the cloudpickled function when the loop does not hold ``fid``, else None;
+    ``evict`` the function ids the loop drops before it looks ``fid`` up.
+    """
+
+    __slots__ = ("ckey", "fid", "fblob", "mode", "payload", "retries", "evict")
+    tag = "T"
+
+    def __init__(self, ckey, fid, fblob, mode, payload, retries, evict=()):
+        self.ckey, self.fid, self.fblob = ckey, fid, fblob
+        self.mode, self.payload, self.retries = mode, payload, retries
+        self.evict = evict
+
+    def fields(self) -> tuple:
+        return (
+            self.ckey,
+            self.fid,
+            self.fblob,
+            self.mode,
+            self.payload,
+            self.retries,
+            self.evict,
+        )
+
+
+class Result:
+    """Loop → owner: a chunk's pickled results (a list), or its failure
+    (:func:`encode_failure`) when ``ok`` is False."""
+
+    __slots__ = ("ckey", "ok", "blob", "seconds", "last")
+    tag = "R"
+
+    def __init__(self, ckey, ok, blob, seconds, last):
+        self.ckey, self.ok, self.blob = ckey, ok, blob
+        self.seconds, self.last = seconds, last
+
+    def fields(self) -> tuple:
+        return (self.ckey, self.ok, self.blob, self.seconds, self.last)
+
+
+class InitFailed:
+    """Loop → owner: the initializer raised, or could not be loaded."""
+
+    __slots__ = ("blob",)
+    tag = "I"
+
+    def __init__(self, blob):
+        self.blob = blob
+
+    def fields(self) -> tuple:
+        return (self.blob,)
+
+
+_KINDS = {cls.tag: cls for cls in (Call, Result, InitFailed)}
+
+
+def encode(msg: Call | Result | InitFailed) -> bytes:
+    """One message as bytes: a tuple of plain types (tag first), pickled."""
+    return pickle.dumps((msg.tag, *msg.fields()), protocol=_PROTOCOL)
+
+
+def decode(raw: bytes) -> Any:
+    """The message in ``raw``; ``STOP``/``TERMINATE`` come back as themselves.
+
+    Only plain types are unpickled here (the envelope); the payload, function
+    and values inside stay bytes until the receiver decides to load them.
+    """
+    if raw == STOP or raw == TERMINATE:
+        return raw
+    tag, *fields = pickle.loads(raw)
+    return _KINDS[tag](*fields)
+
+
+# ---------------------------------------------------------------- functions
+
+
+class PeerFunctions:
+    """The owner's record of the functions one loop holds: bounded, LRU.
+
+    :meth:`use` is called once per ``Call`` sent to that loop, in send order,
+    and says whether to include the function's pickle and which ids the loop
+    must drop.
+    """
+
+    __slots__ = ("_held", "_limit")
+
+    def __init__(self, limit: int = FUNC_CACHE_SIZE) -> None:
+        self._held: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, fid: int) -> bool:
+        return fid in self._held
+
+    def use(self, fid: int) -> tuple[bool, tuple[int, ...]]:
+        """Record a call of ``fid``: ``(send_the_pickle, ids_to_evict)``."""
+        held = self._held
+        if fid in held:
+            held.move_to_end(fid)
+            return False, ()
+        evict = []
+        while len(held) >= self._limit:
+            evict.append(held.popitem(last=False)[0])
+        held[fid] = None
+        return True, tuple(evict)
+
+
+class _Unloadable:
+    """A function whose pickle failed to load here: kept with its error, so
+    that its tasks fail with that error, and loading is tried again next use."""
+
+    __slots__ = ("blob", "error")
+
+    def __init__(self, blob: bytes, error: BaseException) -> None:
+        self.blob, self.error = blob, error
+
+
+class LoopFunctions:
+    """The loop's functions, exactly as the owner's :class:`PeerFunctions` says."""
+
+    def __init__(self, load: Callable[[bytes], Any]) -> None:
+        self._funcs: dict[int, Any] = {}
+        self._load = load
+
+    def __len__(self) -> int:
+        return len(self._funcs)
+
+    def lookup(self, call: Call) -> Any:
+        """The function ``call`` runs.  Raises what loading it raised."""
+        funcs = self._funcs
+        for fid in call.evict:
+            funcs.pop(fid, None)
+        if call.fblob is not None:
+            funcs[call.fid] = _Unloadable(call.fblob, None)
+        entry = funcs.get(call.fid)
+        if entry is None:
+            raise RuntimeError(
+                f"fiber-dask pool protocol error: function {call.fid} was never "
+                "sent to this loop or was evicted; please report this as a bug"
+            )
+        if isinstance(entry, _Unloadable):
+            try:
+                func = self._load(entry.blob)
+            except Exception as e:
+                entry.error = e
+                raise
+            funcs[call.fid] = func
+            return func
+        return entry
+
+
+# ------------------------------------------------------------------ values
+
+
+def dumps_value(value: Any) -> bytes:
+    """Pickle a result: plain pickle first (fastest; classes the owner can
+    import go by reference), cloudpickle for what only it can carry."""
+    try:
+        return pickle.dumps(value, protocol=_PROTOCOL)
+    except Exception:
+        import cloudpickle
+
+        return cloudpickle.dumps(value, protocol=_PROTOCOL)
+
+
+def _rebuild(exc: BaseException, tb: str) -> BaseException:
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc
+
+
+def _rebuild_without_init(
+    cls: type, args: tuple, state: dict, tb: str
+) -> BaseException:
+    """An exception whose ``__init__`` needs other arguments than its
+    ``args``: made without calling ``__init__`` (what ``copy`` does)."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    if state:
+        exc.__dict__.update(state)
+    return _rebuild(exc, tb)
+
+
+def _format(exc: BaseException) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return '\n"""\n%s"""' % tb
+
+
+def encode_failure(exc: BaseException) -> bytes:
+    """A task's exception, for :func:`decode_failure` at the owner.
+
+    Carries the exception (as the stdlib does, with the remote traceback as its
+    ``__cause__``) and, in case the owner cannot rebuild it, its type name,
+    message and traceback text.
+    """
+    tb = _format(exc)
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        message = str(exc)
+    except Exception:
+        message = repr(exc.args)
+    try:
+        blob = dumps_value(_Reduced(_rebuild, (exc, tb)))
+        pickle.loads(blob)  # an exception whose __init__ needs arguments fails here
+    except Exception:
+        try:
+            state = dict(getattr(exc, "__dict__", {}))
+            state.pop("__traceback__", None)
+            blob = dumps_value(
+                _Reduced(_rebuild_without_init, (type(exc), exc.args, state, tb))
+            )
+        except Exception:
+            blob = None
+    return pickle.dumps((blob, name, message, tb), protocol=_PROTOCOL)
+
+
+def decode_failure(raw: bytes) -> BaseException:
+    """The exception :func:`encode_failure` sent: the original type when this
+    process can rebuild it, else a :class:`RemoteTaskError`."""
+    blob, name, message, tb = pickle.loads(raw)
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+            if isinstance(exc, BaseException):
+                return exc
+        except Exception:
+            pass
+    return _rebuild(RemoteTaskError(name, message, tb), tb)
+
+
+class _Reduced:
+    """Pickles as ``func(*args)``."""
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args

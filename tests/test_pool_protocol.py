@@ -1,0 +1,93 @@
+"""The pool wire protocol on its own (no cluster): the two ends of the function
+cache agree whatever the sequence, messages round-trip, failures keep their
+type or say what they were."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+from helpers_poolcore import NeedsArgs
+
+from fiber_dask import poolprotocol as proto
+from fiber_dask.errors import RemoteTaskError
+
+
+def _call(peer: proto.PeerFunctions, fid: int, blobs: dict) -> proto.Call:
+    send, evict = peer.use(fid)
+    return proto.Call(0, fid, blobs[fid] if send else None, 0, b"", 0, evict)
+
+
+def test_owner_and_loop_agree_on_every_function_under_a_long_random_run():
+    rng = random.Random(11)
+    blobs = {fid: pickle.dumps(("f", fid)) for fid in range(3000)}
+    peer = proto.PeerFunctions(limit=64)
+    loaded = []
+    loop = proto.LoopFunctions(lambda blob: loaded.append(blob) or pickle.loads(blob))
+    for step in range(20000):
+        # One hot function, a warm set, and a long tail of new ones.
+        fid = rng.choice([0] * 5 + list(range(1, 40)) + [rng.randrange(40, 3000)])
+        raw = proto.encode(_call(peer, fid, blobs))
+        call = proto.decode(raw)
+        assert loop.lookup(call) == ("f", fid), step
+        assert len(loop) == len(peer) <= 64
+    # The hot function was loaded once or a few times, not on every call.
+    assert loaded.count(blobs[0]) < 10
+
+
+def test_a_function_that_fails_to_load_keeps_failing_then_loads_when_it_can():
+    state = {"ok": False}
+
+    def load(blob):
+        if not state["ok"]:
+            raise ModuleNotFoundError("No module named 'only_on_the_owner'")
+        return pickle.loads(blob)
+
+    peer, loop = proto.PeerFunctions(), proto.LoopFunctions(load)
+    blobs = {7: pickle.dumps("seven")}
+    for _ in range(3):
+        with pytest.raises(ModuleNotFoundError, match="only_on_the_owner"):
+            loop.lookup(_call(peer, 7, blobs))
+    state["ok"] = True  # e.g. the module was installed meanwhile
+    assert loop.lookup(_call(peer, 7, blobs)) == "seven"
+
+
+def test_messages_round_trip():
+    r = proto.decode(proto.encode(proto.Result(3, True, b"x", 0.5, False)))
+    assert isinstance(r, proto.Result)
+    assert (r.ckey, r.ok, r.blob, r.seconds, r.last) == (3, True, b"x", 0.5, False)
+    i = proto.decode(proto.encode(proto.InitFailed(b"e")))
+    assert isinstance(i, proto.InitFailed) and i.blob == b"e"
+    assert proto.decode(proto.STOP) is proto.STOP
+    assert proto.decode(proto.TERMINATE) is proto.TERMINATE
+
+
+def _raised(exc):
+    try:
+        raise exc
+    except BaseException as e:
+        return e
+
+
+def test_failures_keep_their_type_and_message():
+    err = proto.decode_failure(proto.encode_failure(_raised(ValueError("plain"))))
+    assert type(err) is ValueError and str(err) == "plain"
+    assert "ValueError: plain" in str(err.__cause__)
+
+    err = proto.decode_failure(proto.encode_failure(_raised(NeedsArgs("a", "b"))))
+    assert type(err) is NeedsArgs and str(err) == "ab" and err.b == "b"
+
+
+def test_a_failure_the_owner_cannot_rebuild_is_a_remote_task_error():
+    class Local(Exception):  # not importable by name: pickled by value or not at all
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    raw = proto.encode_failure(_raised(Local(1, 2)))
+    blob, name, message, tb = pickle.loads(raw)
+    # Simulate an owner that cannot load the exception itself.
+    err = proto.decode_failure(pickle.dumps((b"not a pickle", name, message, tb)))
+    assert isinstance(err, RemoteTaskError)
+    assert err.type_name.endswith("Local") and err.message == "1/2"
+    assert "Local: 1/2" in err.traceback
