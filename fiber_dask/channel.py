@@ -50,7 +50,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from . import gate, security, tls
+from . import cluster, gate, security, tls
 
 logger = logging.getLogger(__name__)
 
@@ -351,6 +351,11 @@ def close_servers() -> None:
         for server in _servers.values():
             server.close()
         _servers.clear()
+
+
+# Whoever made a server (a Pool, a Process, a Queue, a Manager's proxies), the
+# servers close once the clusters have: the transport goes last.
+cluster.on_shutdown(close_servers, after_close=True)
 
 
 def hangup(conn: Connection) -> None:

@@ -973,4 +973,3 @@ def _stop_all_at_exit() -> None:
 
 
 cluster.on_shutdown(_stop_all_at_exit)
-cluster.on_shutdown(channel.close_servers, after_close=True)
