@@ -412,6 +412,7 @@ class PoolEngine:
                 # On a cluster we started, a task that ignores terminate() for
                 # 2 s ends its worker process (the nanny starts another).
                 _TERMINATE_GRACE if self._handle.owned else None,
+                self._slots,  # process | thread (fiber_dask.slots)
                 key=f"fiber-pool-{self._token}-{slot}",
                 pure=False,
                 resources=self._resources,

@@ -38,7 +38,7 @@ from typing import Any
 from . import channel
 from .mainglobals import MainNamespace
 
-__all__ = ["run_pool_worker"]
+__all__ = ["run_pool_worker", "serve_slot"]
 
 _FUNC_CACHE_SIZE = 512
 
@@ -148,20 +148,60 @@ def run_pool_worker(
     init_blob: bytes | None,
     maxtasks: int | None,
     kill_after: float | None = None,
+    slots: str | None = None,
 ) -> str:
-    """Body of one pool-worker Dask task.  Returns why it ended.
+    """Body of one pool-slot Dask task.  Returns why it ended.
 
     ``kill_after``: seconds after a terminate (or the owner's loss) at which a
     task that has not stopped ends this process; None never does.
+    ``slots``: ``"process"`` (the task is a *keeper*: it holds the Dask slot
+    while a slot process of its own runs the loop, see :mod:`fiber_dask.slots`)
+    or ``"thread"`` (this Dask task thread runs the loop); None reads
+    ``fiber.pool.slots``.
     """
-    import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
-
     try:
         from distributed import get_worker
 
-        worker_address = get_worker().address
+        worker = get_worker()
     except (ImportError, ValueError):
-        worker_address = None
+        worker = None
+    if slots is None:
+        from . import config
+
+        slots = config.get("pool.slots")
+    if slots == "process":
+        from .slots import keep
+
+        return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
+    return serve_slot(
+        address,
+        authkey,
+        service,
+        slot,
+        init_blob,
+        maxtasks,
+        kill_after,
+        getattr(worker, "address", None),
+    )
+
+
+def serve_slot(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    slot: int,
+    init_blob: bytes | None,
+    maxtasks: int | None,
+    kill_after: float | None,
+    worker_address: str | None,
+) -> str:
+    """Connect back to the pool's owner and serve chunks until told to stop.
+
+    Runs in the Dask task thread (thread slots) or in the main thread of a
+    slot process (:mod:`fiber_dask.slotserver`).  Returns why it ended.
+    """
+    import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
+
     try:
         conn = channel.connect(
             address,
