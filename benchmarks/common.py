@@ -63,6 +63,15 @@ def cpu_work(loops: int) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
+def cpu_work_shares(loops: int) -> tuple[float, float, float]:
+    """:func:`cpu_work`, also returning the CPU seconds the *other* threads of
+    the task's process used meanwhile (``process_time - thread_time``): the
+    framework's threads competing for the task's GIL and core."""
+    p0 = time.process_time()
+    wall, cpu = cpu_work(loops)
+    return wall, cpu, max(0.0, time.process_time() - p0 - cpu)
+
+
 def calibrate_cpu_work(seconds: float, rounds: int = 5) -> int:
     """Loops of :func:`cpu_work` that take ``seconds`` of CPU here (the best of
     ``rounds`` short runs, so a busy moment does not inflate it)."""

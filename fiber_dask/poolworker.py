@@ -4,6 +4,11 @@ Dask places one loop per pool slot on its workers and re-runs a loop whose
 worker died.  The loop connects back to the pool's owner over the direct
 channel and then only moves bytes: no scheduler round trip per task.
 
+With ``fiber.pool.slots: process`` (the default) the Dask task is only the
+slot's *keeper*: :func:`run_pool_worker` hands the loop (:func:`serve_slot`)
+to a slot process of its own and waits for it (see :mod:`fiber_dask.slots`);
+with ``thread`` the Dask task thread runs :func:`serve_slot` itself.
+
 Messages (pickled tuples), owner → loop:
 
 * ``("T", ckey, fid, fblob, mode, payload, retries)`` run a chunk (``payload``

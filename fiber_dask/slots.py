@@ -90,9 +90,6 @@ logger = logging.getLogger(__name__)
 #: at all.
 TERMINATE_GRACE = 0.3
 
-#: Seconds the keeper waits for the template to report a fork.
-_FORK_TIMEOUT = 30.0
-
 _HEADER = struct.Struct("!I")
 
 
@@ -356,8 +353,9 @@ def keep(
         except OSError as e:
             return f"slot process could not start: {e}"
         f = template.fork(spec)
-        if not f.started.wait(_FORK_TIMEOUT):
-            return "slot process could not start: the template did not answer"
+        # No timeout: the template answers once its imports are done (seconds
+        # on a loaded host), and its death ends the wait; a keeper that gave up
+        # early could leave a slot process it no longer keeps.
         f.done.wait()
         if f.reason == "recycled":
             continue  # maxtasksperchild: a fresh process, at once

@@ -148,8 +148,7 @@ def test_terminate_interrupts_a_cpu_bound_task(client):
 
 
 def test_worker_death_with_maxtasksperchild(client):
-    with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
-        pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
+    pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
     with pool:
         pool.apply(slow_square, (1,))
         _, killer = kill_one_worker_after(client, 0.3)

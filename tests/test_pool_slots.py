@@ -203,6 +203,17 @@ def test_maxtasksperchild_gives_fresh_processes(ctx, tmp_path):
 # ------------------------------------------------------------ fiber_dask only
 
 
+def test_maxtasksperchild_warns_only_with_thread_slots(fiber_ctx, recwarn):
+    with fiber_ctx.Pool(1, maxtasksperchild=2) as pool:
+        assert len({pool.apply(getpid) for _ in range(4)}) == 2
+    assert not [w for w in recwarn if "maxtasksperchild" in str(w.message)]
+    with dask.config.set({"fiber.pool.slots": "thread"}):
+        with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
+            pool = fiber_ctx.Pool(1, maxtasksperchild=2)
+    pool.terminate()
+    pool.join()
+
+
 def test_slot_pids_differ_from_the_dask_workers(fiber_ctx):
     client = fiber_dask.cluster.get_handle().client
     workers = set(client.run(os.getpid).values())
