@@ -187,7 +187,12 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
             pass
     _die_with_parent(template_pid)
 
+    import faulthandler
     import pickle
+
+    # A task that crashes the process (segfault) leaves its Python traceback on
+    # the Dask worker's stderr, where its log is.
+    faulthandler.enable()
 
     spec = pickle.loads(blob)
     os.environ.clear()
