@@ -17,6 +17,10 @@ stdlib's ``multiprocessing.Pool`` (fork) alongside where it has an equivalent:
                           each in a fresh process, minus the same without
                           ``maxtasksperchild`` (the restart's cost per task).
 
+The fiber_dask figures are taken for both slot kinds (``fiber.pool.slots``:
+``process`` and ``thread``, each on a fresh embedded cluster, the order alternating):
+with ``thread`` a restart is a new Dask task in the same worker process.
+
 Medians over ``--repeats``.  Run from the repository root::
 
     python benchmarks/slotstart.py --repeats 5
@@ -30,6 +34,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,41 +106,46 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[float]] = {}
     mp = multiprocessing.get_context("fork")
     for r in range(a.repeats):
-        t0 = time.perf_counter()
-        cluster.get_handle()
-        t1 = time.perf_counter()
-        pool = fiber_dask.Pool(a.workers)
-        pool.apply(noop)
-        t2 = time.perf_counter()
-        seen: set = set()
-        while len(seen) < a.workers:
-            seen.update(pool.map(slow_pid, range(4 * a.workers), chunksize=1))
-        t3 = time.perf_counter()
-        pool.terminate()
-        pool.join()
-        with fiber_dask.Pool(1) as plain:
-            plain.apply(noop)
-            base = restart_cost(plain, a.restart_calls)
-        with fiber_dask.Pool(1, maxtasksperchild=1) as fresh:
-            fresh.apply(noop)
-            restart = restart_cost(fresh, a.restart_calls)
-        fiber_dask.shutdown()
+        got: dict[str, float] = {}
+        kinds = ("process", "thread") if r % 2 == 0 else ("thread", "process")
+        for kind in kinds:
+            with dask.config.set({"fiber.pool.slots": kind}):
+                t0 = time.perf_counter()
+                cluster.get_handle()
+                t1 = time.perf_counter()
+                pool = fiber_dask.Pool(a.workers)
+                pool.apply(noop)
+                t2 = time.perf_counter()
+                seen: set = set()
+                while len(seen) < a.workers:
+                    seen.update(pool.map(slow_pid, range(4 * a.workers), chunksize=1))
+                t3 = time.perf_counter()
+                pool.terminate()
+                pool.join()
+                with fiber_dask.Pool(1) as plain:
+                    plain.apply(noop)
+                    base = restart_cost(plain, a.restart_calls)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # thread kind
+                    fresh = fiber_dask.Pool(1, maxtasksperchild=1)
+                with fresh:
+                    fresh.apply(noop)
+                    restart = restart_cost(fresh, a.restart_calls)
+                fiber_dask.shutdown()
+            got[f"{kind}: cluster up (s)"] = t1 - t0
+            got[f"{kind}: first result after cluster up (s)"] = t2 - t1
+            got[f"{kind}: all slots serving (s)"] = t3 - t1
+            got[f"{kind}: restart per task (ms)"] = 1e3 * (restart - base)
         with mp.Pool(1) as plain:
             plain.apply(noop)
             mp_base = restart_cost(plain, a.restart_calls)
         with mp.Pool(1, maxtasksperchild=1) as fresh:
             fresh.apply(noop)
             mp_restart = restart_cost(fresh, a.restart_calls)
+        got["multiprocessing: restart per task (ms)"] = 1e3 * (mp_restart - mp_base)
         cold, warm = template_costs()
-        got = {
-            "cluster up (s)": t1 - t0,
-            "first result after cluster up (s)": t2 - t1,
-            "all slots serving (s)": t3 - t1,
-            "cold template to first slot (s)": cold,
-            "fork per slot, to connected (ms)": 1e3 * warm,
-            "fiber_dask restart per task (ms)": 1e3 * (restart - base),
-            "multiprocessing restart per task (ms)": 1e3 * (mp_restart - mp_base),
-        }
+        got["cold template to first slot (s)"] = cold
+        got["fork per slot, to connected (ms)"] = 1e3 * warm
         for k, v in got.items():
             rows.setdefault(k, []).append(v)
         print(

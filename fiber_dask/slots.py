@@ -188,6 +188,7 @@ class Template:
             raise self.error
 
     def _run(self) -> None:
+        report_r = -1
         try:
             report_r, report_w = os.pipe()
             env = dict(os.environ)
@@ -209,6 +210,8 @@ class Template:
             finally:
                 os.close(report_w)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
+            if report_r >= 0:
+                os.close(report_r)
             self.error = OSError(f"cannot start the fiber-dask slot template: {e}")
             self.dead = True
             self.ready.set()
