@@ -16,11 +16,11 @@ reports per engine, as medians over ``--repeats``:
                     the task ran, per task CPU second (the Dask worker's event loop,
                     heartbeats and profiler in thread mode; a receiver thread in a slot
                     process or stdlib worker).  Independent of other load;
-``framework cpu``   CPU seconds used by every process of the engine (this one included)
-                    during the map beyond the tasks' own CPU, per task CPU second:
-                    scheduler, nannies, client and result threads.  Independent of
-                    other load, but counts the machine's other work on these cores
-                    only through ``wall/cpu``;
+``framework cores`` CPU seconds used by every process of the engine (this one included:
+                    the embedded scheduler, nannies, client and result threads) during
+                    the map beyond the tasks' own CPU, per wall second, then the same
+                    per role (driver, Dask worker processes, slot templates, slot
+                    processes and stdlib pool workers beyond their tasks).
 
 Run from the repository root::
 
@@ -41,6 +41,7 @@ import psutil  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     calibrate_cpu_work,
+    cpu_work,
     cpu_work_shares,
     median,
 )
@@ -49,17 +50,49 @@ from benchmarks.engines import make_engine  # noqa: E402
 ENGINES = ("multiprocessing", "fiber_dask", "fiber_dask_thread")
 
 
-def tree_cpu() -> float:
-    """CPU seconds used so far by this process and all its descendants."""
+def pid_after(loops: int) -> int:
+    cpu_work(loops)
+    return os.getpid()
+
+
+def _role(p: psutil.Process, me: int) -> str:
+    try:
+        cmd = " ".join(p.cmdline())
+        parent = p.parent()
+        parent_cmd = " ".join(parent.cmdline()) if parent else ""
+    except psutil.Error:
+        return "other"
+    if p.pid == me:
+        return "driver"
+    if "fiber_dask.slotserver" in cmd:
+        return "slot" if "fiber_dask.slotserver" in parent_cmd else "template"
+    if "spawn_main" in cmd:
+        return "dask worker"
+    return "pool worker"  # the stdlib's forked workers
+
+
+def tree_cpu() -> dict[str, float]:
+    """CPU seconds used so far by this process and its descendants, by role."""
     me = psutil.Process()
-    total = 0.0
+    out: dict[str, float] = {}
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        role = _role(p, me.pid)
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def warm_up(eng, loops: int, workers: int) -> None:
+    """Until every slot has served a task, then a second for startup work (a
+    template's imports, a worker's first heartbeats) to end."""
+    seen: set = set()
+    deadline = time.monotonic() + 120
+    while len(seen) < workers and time.monotonic() < deadline:
+        seen.update(eng.map(pid_after, [loops] * 4 * workers))
+    time.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,20 +115,30 @@ def main(argv: list[str] | None = None) -> int:
             eng.prepare()
             eng.setup()
             try:
-                eng.map(cpu_work_shares, [loops] * 4 * a.workers)  # warm up
+                warm_up(eng, loops, a.workers)
                 c0, t0 = tree_cpu(), time.perf_counter()
                 out = eng.map(cpu_work_shares, [loops] * a.tasks)
                 wall = time.perf_counter() - t0
-                cpu = tree_cpu() - c0
+                c1 = tree_cpu()
             finally:
                 eng.teardown()
+            used = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in c1}
             task_cpu = sum(c for _, c, _ in out)
             s = stats[name]
             s.setdefault("elapsed/ideal", []).append(wall / (task_cpu / a.workers))
             s.setdefault("wall/cpu", []).append(sum(w for w, _, _ in out) / task_cpu)
             s.setdefault("gil share", []).append(sum(o for *_, o in out) / task_cpu)
-            s.setdefault("framework cpu", []).append((cpu - task_cpu) / task_cpu)
-            s.setdefault("task cpu ms", []).append(1e3 * task_cpu / a.tasks)
+            s.setdefault("framework cores", []).append(
+                (sum(used.values()) - task_cpu) / wall
+            )
+            # Where the framework's CPU went, in cores (the tasks' own CPU is
+            # taken off the role that ran them).
+            task_role = {"multiprocessing": "pool worker", "fiber_dask": "slot"}.get(
+                name, "dask worker"
+            )
+            used[task_role] = used.get(task_role, 0.0) - task_cpu
+            for role in ("driver", "dask worker", "template", "slot", "pool worker"):
+                s.setdefault(f"{role} cores", []).append(used.get(role, 0.0) / wall)
             print(
                 f"[{r + 1}/{a.repeats}] {name:<18} "
                 + "  ".join(f"{k} {v[-1]:.3f}" for k, v in s.items()),

@@ -346,6 +346,32 @@ def test_slot_processes_gone_after_the_owner_is_killed(client, tmp_path):
         owner.wait(timeout=10)
 
 
+def block_once(path):
+    """Block in the first slot that runs this; return at once elsewhere."""
+    if not os.path.exists(path):
+        write_pid(path)
+        time.sleep(3600)
+    return os.getpid()
+
+
+def test_slot_processes_die_with_their_dask_worker(client, tmp_path):
+    marker = str(tmp_path / "blocked")
+    with fiber_dask.Pool(2, client=client) as pool:
+        res = pool.apply_async(block_once, (marker,))
+        slot = read_pid(marker)
+        template = psutil.Process(slot).ppid()
+        worker = psutil.Process(template).ppid()
+        assert worker in client.run(os.getpid).values()
+        os.kill(worker, signal.SIGKILL)
+        wait_until(
+            lambda: dead([slot, template]),
+            timeout=15,
+            what="the slot process and template of a SIGKILLed Dask worker",
+        )
+        # The task was re-run in another slot (the marker exists: it returns).
+        assert res.get(timeout=60) != slot
+
+
 def test_nested_pool_and_process_from_a_task(fiber_ctx, tmp_path):
     path = str(tmp_path / "nested")
     with fiber_ctx.Pool(1) as pool:
