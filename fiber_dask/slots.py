@@ -31,10 +31,23 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   Forking the Dask worker itself is unsafe (it runs an event loop and a thread
   pool: a lock held at fork time stays held in the child).  Starting a fresh
   interpreter per slot costs an interpreter start plus importing fiber_dask
-  (which imports dask): ~0.35-0.7 s per slot here, again at every
-  ``maxtasksperchild`` restart.  A fork of the single-threaded, preloaded
-  template costs a few milliseconds; the template's own start is paid once per
-  Dask worker, by the first keeper.
+  (which imports dask): 0.43-0.53 s per slot on this 2-core machine at load ~3
+  (1.3-2.7 s at load 20), again at every ``maxtasksperchild`` restart.  A fork
+  of the single-threaded, preloaded template is connected to its pool in
+  ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
+  once per Dask worker: on the embedded cluster as the worker starts (the
+  ``dask_setup`` preload below, in parallel with the rest of the cluster
+  coming up), elsewhere by the first keeper on that worker.  What a fork does
+  before connecting was measured too: a full ``dask.config.refresh()`` (20 ms)
+  and numpy 2's lazy ``numpy.random`` import (8 ms) were moved out of it.
+* **Tasks get their core and GIL back** (``benchmarks/cpushare.py``, CPU
+  accounting that other load on the machine does not skew): with thread slots
+  the Dask worker's other threads (event loop, heartbeats, the 10 ms sampling
+  profiler) used 7-17 % of a CPU-bound task's CPU *inside its process*, i.e.
+  holding its GIL; in a slot process 0.1-0.2 %, as in a stdlib worker.  What
+  remains is the cluster's own processes on the same cores: ~0.04 cores for
+  the driver (scheduler, client, the pool's result thread) and ~0.06 cores for
+  two idle Dask workers, 0.03 once ``dask_setup`` turns their profiler off.
 * **The keeper stays a Dask task.**  Dask keeps placing slots, reserving
   ``resources=``, counting them for adaptive scaling and re-running a keeper
   whose worker died; the slot process talks to the owner directly over the
