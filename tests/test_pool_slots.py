@@ -246,7 +246,7 @@ def loopback_cluster_threads(n_workers, threads):
         n_workers=n_workers,
         threads_per_worker=threads,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",
         host="127.0.0.1",
     )
 
