@@ -219,6 +219,14 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
         traceback.print_exc()
         return 1
     finally:
+        # As a stdlib worker ends: multiprocessing's finalizers run, so what the
+        # tasks put on queues (sent by feeder threads) reaches them.
+        try:
+            from multiprocessing import util
+
+            util._exit_function()
+        except Exception:  # noqa: BLE001 - never keep a slot from exiting
+            pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
