@@ -48,6 +48,75 @@ def busy(seconds: float) -> float:
     return seconds
 
 
+def cpu_work(loops: int) -> tuple[float, float]:
+    """A fixed amount of real CPU work (``loops`` turns of a pure-Python loop).
+
+    Unlike :func:`busy`, which waits on the wall clock and so cannot see CPU
+    taken from it, this takes longer when something else runs on its core or
+    holds its GIL.  Returns ``(wall, thread_cpu)`` seconds measured inside the
+    task: ``wall / thread_cpu`` is 1.00 when the task had its core to itself.
+    """
+    w0, c0 = time.perf_counter(), time.thread_time()
+    x = 0
+    for i in range(loops):
+        x += i * i
+    return time.perf_counter() - w0, time.thread_time() - c0
+
+
+def cpu_work_shares(loops: int) -> tuple[float, float, float]:
+    """:func:`cpu_work`, also returning the CPU seconds the *other* threads of
+    the task's process used meanwhile (``process_time - thread_time``): the
+    framework's threads competing for the task's GIL and core."""
+    p0 = time.process_time()
+    wall, cpu = cpu_work(loops)
+    return wall, cpu, max(0.0, time.process_time() - p0 - cpu)
+
+
+def calibrate_cpu_work(seconds: float, rounds: int = 5) -> int:
+    """Loops of :func:`cpu_work` that take ``seconds`` of CPU here (the best of
+    ``rounds`` short runs, so a busy moment does not inflate it)."""
+    n = 200_000
+    best = min(cpu_work(n)[1] or 1e-9 for _ in range(rounds))
+    return max(1, round(n * seconds / best))
+
+
+def cartpole_fixed_cost(task: tuple, batch: int = 16, steps: int = 500) -> float:
+    """An ES evaluation whose cost never varies: ``examples.es.evaluate``'s task
+    tuple, played as ``batch`` CartPole-v1 episodes stepped together with numpy
+    for exactly ``steps`` steps; an episode that ends stops counting reward
+    (masked) but the batch keeps stepping.  The real evaluation's cost follows
+    the episode lengths (short early, 500 steps once solved); this one lets the
+    time per iteration show only the framework.  Linear policies only.
+    """
+    import numpy as np
+
+    theta, noise_seed, sign, sigma, episode_seed, _episodes, _hidden, _kind = task
+    params = theta
+    if sign:
+        params = theta + (sign * sigma) * np.random.default_rng(
+            noise_seed
+        ).standard_normal(theta.size)
+    rng = np.random.default_rng(episode_seed)
+    x, x_dot, th, th_dot = rng.uniform(-0.05, 0.05, size=(4, batch))
+    alive = np.ones(batch, dtype=bool)
+    total = np.zeros(batch)
+    # CartPole-v1's constants and Euler integration (gymnasium's cartpole.py).
+    g, mc, mp, length, fmag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
+    mt, pml = mc + mp, mp * 0.5
+    for _ in range(steps):
+        out = params[0] * x + params[1] * x_dot + params[2] * th + params[3] * th_dot
+        force = np.where(out + params[4] > 0, fmag, -fmag)
+        cos, sin = np.cos(th), np.sin(th)
+        temp = (force + pml * th_dot * th_dot * sin) / mt
+        th_acc = (g * sin - cos * temp) / (length * (4.0 / 3.0 - mp * cos * cos / mt))
+        x_acc = temp - pml * th_acc * cos / mt
+        x, x_dot = x + tau * x_dot, x_dot + tau * x_acc
+        th, th_dot = th + tau * th_dot, th_dot + tau * th_acc
+        total += alive
+        alive &= (np.abs(x) <= 2.4) & (np.abs(th) <= 0.2095)
+    return float(total.mean())
+
+
 def noop(*args: object) -> None:
     """Do nothing; used for startup and round-trip latency measurements."""
     return None

@@ -35,7 +35,14 @@ from benchmarks.common import (
     timed,
 )
 
-ENGINE_NAMES = ("multiprocessing", "fiber_dask", "dask", "ray", "ipyparallel")
+ENGINE_NAMES = (
+    "multiprocessing",
+    "fiber_dask",
+    "fiber_dask_thread",
+    "dask",
+    "ray",
+    "ipyparallel",
+)
 BASELINE = "multiprocessing"
 
 
@@ -68,7 +75,7 @@ class Engine:
     def setup(self) -> None:
         raise NotImplementedError
 
-    def run(self, mode: str, args: list[float]) -> list[Any]:
+    def run(self, mode: str, args: list[Any], func: Callable = busy) -> list[Any]:
         raise NotImplementedError
 
     def map(self, func: Callable[[Any], Any], items: list[Any]) -> list[Any]:
@@ -91,14 +98,14 @@ class PoolEngine(Engine):
     def map(self, func: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         return self.pool.map(func, items)
 
-    def run(self, mode: str, args: list[float]) -> list[Any]:
+    def run(self, mode: str, args: list[Any], func: Callable = busy) -> list[Any]:
         pool = self.pool
         if mode == "map":
-            return pool.map(busy, args)
+            return pool.map(func, args)
         if mode == "imap1":
-            return list(pool.imap(busy, args, chunksize=1))
+            return list(pool.imap(func, args, chunksize=1))
         if mode == "apply_async":
-            pending = [pool.apply_async(busy, (a,)) for a in args]
+            pending = [pool.apply_async(func, (a,)) for a in args]
             return [r.get() for r in pending]
         raise ValueError(mode)
 
@@ -163,6 +170,26 @@ class FiberDaskEngine(PoolEngine):
             self.fiber_dask.shutdown()
 
 
+class FiberDaskThreadEngine(FiberDaskEngine):
+    """fiber_dask with ``fiber.pool.slots: thread``: tasks in the Dask worker's
+    task thread (the behaviour before slot processes), for comparison.  Alive
+    beside ``fiber_dask`` it shares its embedded cluster, which then grows to
+    both pools' slots (``--isolate`` keeps them apart)."""
+
+    name = "fiber_dask_thread"
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.note += ", fiber.pool.slots: thread"
+
+    def setup(self) -> None:
+        import dask
+
+        with dask.config.set({"fiber.pool.slots": "thread"}):
+            self.pool = self.fiber_dask.Pool(self.workers)
+        self.pool.apply(noop)
+
+
 class LocalClusterMixin:
     """``self.client`` on a ``distributed.LocalCluster`` of processes, whose
     workers keep their files in a temporary directory (``self.distributed`` is
@@ -216,16 +243,16 @@ class DaskEngine(LocalClusterMixin, Engine):
         self.start_cluster(self.workers, 1, "overhead-dask-")
         self.client.submit(noop, pure=False).result()
 
-    def run(self, mode: str, args: list[float]) -> list[Any]:
+    def run(self, mode: str, args: list[Any], func: Callable = busy) -> list[Any]:
         client = self.client
         if mode == "map":
-            return client.gather(client.map(busy, args, pure=False))
+            return client.gather(client.map(func, args, pure=False))
         if mode == "imap1":
             # Everything submitted at once, consumed one by one in order, like imap.
-            futures = client.map(busy, args, pure=False)
+            futures = client.map(func, args, pure=False)
             return [f.result() for f in futures]
         if mode == "apply_async":
-            futures = [client.submit(busy, a, pure=False) for a in args]
+            futures = [client.submit(func, a, pure=False) for a in args]
             return client.gather(futures)
         raise ValueError(mode)
 
@@ -283,16 +310,16 @@ class IPyParallelEngine(Engine):
         self.view = self.rc.load_balanced_view()
         self.view.apply_sync(noop)
 
-    def run(self, mode: str, args: list[float]) -> list[Any]:
+    def run(self, mode: str, args: list[Any], func: Callable = busy) -> list[Any]:
         view = self.view
         if mode == "map":
-            return list(view.map_sync(busy, args))
+            return list(view.map_sync(func, args))
         if mode == "imap1":
             if hasattr(view, "imap"):
-                return list(view.imap(busy, args))
-            return list(view.map(busy, args, ordered=True, chunksize=1))
+                return list(view.imap(func, args))
+            return list(view.map(func, args, ordered=True, chunksize=1))
         if mode == "apply_async":
-            pending = [view.apply_async(busy, a) for a in args]
+            pending = [view.apply_async(func, a) for a in args]
             return [r.get() for r in pending]
         raise ValueError(mode)
 
@@ -317,6 +344,7 @@ def make_engine(name: str, workers: int, start_method: str) -> Engine:
         return MultiprocessingEngine(workers, start_method)
     return {
         "fiber_dask": FiberDaskEngine,
+        "fiber_dask_thread": FiberDaskThreadEngine,
         "dask": DaskEngine,
         "ray": RayEngine,
         "ipyparallel": IPyParallelEngine,

@@ -37,7 +37,7 @@ from typing import Any
 
 from . import channel
 
-__all__ = ["LaunchResult", "Outcome", "run_launcher", "launch_beside_tasks"]
+__all__ = ["LaunchResult", "Outcome", "run_launcher", "launch_beside_tasks", "child_env"]
 
 _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
 
@@ -125,7 +125,7 @@ def _secede() -> None:
         pass
 
 
-def _child_env(
+def child_env(
     worker_address: str | None, scheduler_address: str | None, security: Any = None
 ) -> dict:
     env = dict(os.environ)
@@ -189,7 +189,7 @@ def _launch(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=_child_env(worker_address, scheduler_address, security),
+            env=child_env(worker_address, scheduler_address, security),
             close_fds=True,
         )
     except OSError as e:

@@ -86,12 +86,14 @@ class Pool(PoolEngine):
         starts more worker processes if needed; elsewhere extra loops wait
         for free slots (or adaptive scaling).
     initializer, initargs
-        ``initializer(*initargs)`` runs in each worker process before its first
-        task (again if the loop is re-run after a worker died).
+        ``initializer(*initargs)`` runs in each slot process, in its main
+        thread, before its first task (again in a slot process that replaces
+        one that ended or died).
     maxtasksperchild : int, optional
-        After this many chunks a loop ends and a new one starts (its
-        initializer runs again).  The Dask worker *process* is reused: see the
-        warning it emits.
+        After this many chunks a slot's process exits and a fresh one takes
+        over (its initializer runs again), as in the stdlib.  With
+        ``fiber.pool.slots: thread`` only the loop restarts and the Dask worker
+        process is reused: see the warning it emits.
     context
         Accepted for compatibility and ignored.
     client : distributed.Client, optional
@@ -138,11 +140,13 @@ class Pool(PoolEngine):
             raise ValueError(
                 f"retries must be a non-negative int or None, not {retries!r}"
             )
-        if maxtasksperchild is not None:
+        slot_kind = config.get("pool.slots")
+        if maxtasksperchild is not None and slot_kind == "thread":
             warnings.warn(
-                "maxtasksperchild: fiber-dask restarts the pool-worker loop (and runs the "
-                "initializer again) after that many tasks, but the Dask worker process "
-                "itself is reused, so memory a task leaked is not returned.",
+                "maxtasksperchild with fiber.pool.slots=thread: fiber-dask restarts the "
+                "pool-worker loop (and runs the initializer again) after that many tasks, "
+                "but the Dask worker process itself is reused, so memory a task leaked is "
+                "not returned (fiber.pool.slots=process gives a fresh process).",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -166,6 +170,7 @@ class Pool(PoolEngine):
             maxtasks=maxtasksperchild,
             resources=resources,
             retries=retries or 0,
+            slot_kind=slot_kind,
         )
         self._engine.start()
 

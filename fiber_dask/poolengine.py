@@ -42,7 +42,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import channel, cluster, config
+from . import channel, cluster, config, security
 from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from .poolresults import MapResult
@@ -204,6 +204,7 @@ class PoolEngine:
         maxtasks: int | None = None,
         resources: dict | None = None,
         retries: int = 0,
+        slot_kind: str = "process",
     ) -> None:
         self.state = INIT
         self.processes = processes
@@ -214,6 +215,7 @@ class PoolEngine:
         self._maxtasks = maxtasks
         self._resources = resources
         self._retries = retries
+        self._slot_kind = slot_kind
         self._prefetch = config.timedelta("pool.prefetch")
         allowed = config.get("pool.allowed-failures")
         if allowed is None:
@@ -260,7 +262,7 @@ class PoolEngine:
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
         self._server = channel.get_server(
-            handle.listen_host or "127.0.0.1", _authkey(), handle.client
+            handle.listen_host or "127.0.0.1", security.authkey(), handle.client
         )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -748,9 +750,12 @@ class PoolEngine:
             n,
             self._init_blob,
             self._maxtasks,
-            # On a cluster we started, a task that ignores terminate() for
-            # _TERMINATE_GRACE ends its worker process (the nanny starts another).
+            # Thread slots: on a cluster we started, a task that ignores
+            # terminate() for _TERMINATE_GRACE ends its worker process (the
+            # nanny starts another).  Slot processes end only themselves
+            # (fiber_dask.slots.TERMINATE_GRACE), on any cluster.
             _TERMINATE_GRACE if self._handle.owned else None,
+            self._slot_kind,  # process | thread (fiber_dask.slots)
             key=f"fiber-pool-{self._token}-{n}",
             pure=False,
             resources=self._resources,
@@ -936,13 +941,6 @@ def _send_quietly(peer: _Peer, msg: bytes) -> None:
         peer.conn.send_bytes(msg)
     except OSError:
         pass
-
-
-def _authkey() -> bytes:
-    """This process's authkey: the stdlib's, which children inherit."""
-    import multiprocessing
-
-    return bytes(multiprocessing.current_process().authkey)
 
 
 def _stop_all_at_exit() -> None:

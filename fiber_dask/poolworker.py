@@ -6,7 +6,12 @@ connects back to the pool's owner over the direct channel and then only moves
 bytes: no scheduler round trip per task.  The messages are those of
 :mod:`fiber_dask.poolprotocol`, which both ends share.
 
-Two steps, kept apart so that they can also run in a process of their own:
+With ``fiber.pool.slots: process`` (the default) the Dask task is only the
+slot's *keeper*: :func:`run_pool_worker` hands the loop (:func:`serve_slot`)
+to a slot process of its own and waits for it (see :mod:`fiber_dask.slots`);
+with ``thread`` the Dask task thread runs :func:`serve_slot` itself.
+
+Two steps, kept apart so that they can run in a process of their own:
 
 * :func:`connect_to_owner` — dial the owner's channel service;
 * :func:`serve` — given that connection, run the initializer and serve chunks
@@ -14,8 +19,7 @@ Two steps, kept apart so that they can also run in a process of their own:
   it ended (a :class:`~fiber_dask.poolprotocol.Reason`).  It does not assume it
   runs inside a Dask worker.
 
-:func:`serve_slot` is the two in a row; :func:`run_pool_worker`, the Dask task,
-calls it in its own thread.
+:func:`serve_slot` is the two in a row.
 
 A receiver thread drains the socket into a local queue at all times, so the
 owner's sends never block on a busy worker (which would deadlock against our
@@ -206,14 +210,31 @@ def run_pool_worker(
     init_blob: bytes | None,
     maxtasks: int | None,
     kill_after: float | None = None,
+    slots: str | None = None,
 ) -> str:
-    """Body of one pool-worker Dask task: :func:`serve_slot` in this thread."""
+    """Body of one pool-slot Dask task.  Returns why it ended.
+
+    ``kill_after``: seconds after a terminate (or the owner's loss) at which a
+    task that has not stopped ends this process; None never does.
+    ``slots``: ``"process"`` (the task is a *keeper*: it holds the Dask slot
+    while a slot process of its own runs the loop, see :mod:`fiber_dask.slots`)
+    or ``"thread"`` (this Dask task thread runs the loop); None reads
+    ``fiber.pool.slots``.
+    """
     try:
         from distributed import get_worker
 
-        worker_address = get_worker().address
+        worker = get_worker()
     except (ImportError, ValueError):
-        worker_address = None
+        worker = None
+    if slots is None:
+        from . import config
+
+        slots = config.get("pool.slots")
+    if slots == "process":
+        from .slots import keep
+
+        return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
     return serve_slot(
         address,
         authkey,
@@ -222,7 +243,7 @@ def run_pool_worker(
         init_blob,
         maxtasks,
         kill_after,
-        worker_address,
+        getattr(worker, "address", None),
     )
 
 

@@ -151,7 +151,10 @@ class Process(BaseProcess):
         assert self._parent_pid == os.getpid(), (
             "can only start a process object created by current process"
         )
-        assert not current_process()._config.get("daemon"), (
+        config = current_process()._config
+        # A fiber-dask pool slot process is daemonic, as a stdlib pool worker,
+        # but its fiber Processes run elsewhere and never become orphans of it.
+        assert not config.get("daemon") or config.get("fiber_slot"), (
             "daemonic processes are not allowed to have children"
         )
         _cleanup()

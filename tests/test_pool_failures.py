@@ -144,8 +144,7 @@ def test_terminate_interrupts_a_cpu_bound_task(client, tmp_path):
 
 def test_worker_death_with_maxtasksperchild(client, tmp_path):
     d = str(tmp_path)
-    with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
-        pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
+    pool = fiber_dask.Pool(2, maxtasksperchild=3, client=client)
     with pool:
         pool.apply(slow_square, (1,))
         res = pool.map_async(

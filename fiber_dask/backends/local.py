@@ -26,6 +26,15 @@ class LocalBackend(Backend):
         threads = config.get("local.threads-per-worker")
         adaptive = config.get("adaptive.enabled")
         maximum = config.get("adaptive.maximum") or n_workers
+        extra = {}
+        if config.get("pool.slots") == "process":
+            # Each worker starts its pool-slot template process as it starts
+            # (fiber_dask.slots.dask_setup), while the cluster comes up, so the
+            # first Pool slot does not wait ~0.5 s for an interpreter.
+            import dask
+
+            preload = list(dask.config.get("distributed.worker.preload") or [])
+            extra["preload"] = [*preload, "fiber_dask.slots"]
         cluster = LocalCluster(
             n_workers=0 if adaptive else n_workers,
             threads_per_worker=threads,
@@ -34,6 +43,7 @@ class LocalBackend(Backend):
             dashboard_address=config.get("local.dashboard-address"),
             host="127.0.0.1",
             scheduler_port=0,
+            **extra,
         )
         try:
             if adaptive:

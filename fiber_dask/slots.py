@@ -1,0 +1,408 @@
+"""Slot processes: each pool slot runs its tasks in a process of its own.
+
+How a pool slot runs (``fiber.pool.slots: process``)::
+
+    pool owner             Dask worker process                   same host
+    ──────────             ───────────────────                   ─────────
+    client.submit(run_pool_worker) ─► keeper (the Dask task: holds the task
+                                      slot and the pool's resources)
+                                        │ ("fork", id, spec)   ┌──────────────────┐
+                                        ├─────────────────────►│ template process │
+                                        │◄── ("started", pid) ─│ (one per Dask    │
+                                        │                      │  worker, single- │
+                                        │                      │  threaded, with  │
+                                        │                      │  fiber_dask and  │
+                                        │                      │  cloudpickle     │
+                                        │                      │  preloaded)      │
+                                        │                      └───────┬──────────┘
+                                        │                         fork │
+    ChannelServer ◄──── connect, HMAC ─────────────────────────── slot process:
+      ── chunks ──────────────────────────────────────────────►   main thread runs
+      ◄── results ────────────────────────────────────────────    serve_slot (the
+                                        │                          initializer, tasks)
+                                        │◄── ("exit", id, code, reason) ── (reaped
+                                        ▼                               by the template)
+                                 returns the reason to Dask
+                                 ("recycled": fork a fresh one first)
+
+Why this shape (measured; see benchmarks/RESULTS.md):
+
+* **A template per Dask worker, forked per slot**, as the stdlib's forkserver.
+  Forking the Dask worker itself is unsafe (it runs an event loop and a thread
+  pool: a lock held at fork time stays held in the child).  Starting a fresh
+  interpreter per slot costs an interpreter start plus importing fiber_dask
+  (which imports dask): 0.43-0.53 s per slot on this 2-core machine at load ~3
+  (1.3-2.7 s at load 20), again at every ``maxtasksperchild`` restart.  A fork
+  of the single-threaded, preloaded template is connected to its pool in
+  ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
+  once per Dask worker: on the embedded cluster as the worker starts (the
+  ``dask_setup`` preload below, in parallel with the rest of the cluster
+  coming up), elsewhere by the first keeper on that worker.  What a fork does
+  before connecting was measured too: a full ``dask.config.refresh()`` (20 ms)
+  and numpy 2's lazy ``numpy.random`` import (8 ms) were moved out of it.
+* **Tasks get their core and GIL back** (``benchmarks/cpushare.py``, CPU
+  accounting that other load on the machine does not skew): with thread slots
+  the Dask worker's other threads (event loop, heartbeats, the 10 ms sampling
+  profiler) used 7-17 % of a CPU-bound task's CPU *inside its process*, i.e.
+  holding its GIL; in a slot process 0.1-0.2 %, as in a stdlib worker.  What
+  remains is the cluster's own processes on the same cores: ~0.04 cores for
+  the driver (scheduler, client, the pool's result thread) and ~0.06 cores for
+  two idle Dask workers, 0.03 once ``dask_setup`` turns their profiler off.
+* **The keeper stays a Dask task.**  Dask keeps placing slots, reserving
+  ``resources=``, counting them for adaptive scaling and re-running a keeper
+  whose worker died; the slot process talks to the owner directly over the
+  channel, so no chunk takes an extra hop.
+* **Lifetimes.**  The template dies with its Dask worker: ``PR_SET_PDEATHSIG``
+  (it fires when the *thread* that started the template exits, so the template
+  is started by, and read by, one long-lived thread of the worker, never a task
+  thread that may retire) plus EOF on its stdin for other platforms and for the
+  window before the ``prctl``.  A slot process dies with its template (the same
+  two guards, relative to the template) and with its pool: EOF on the owner's
+  connection ends it, and a task that does not stop within
+  :data:`TERMINATE_GRACE` of a terminate or of the owner's loss ends the slot
+  process (only it: no Dask worker is harmed, so this holds on any cluster).
+* **Restarts stay local.**  ``maxtasksperchild`` retires a slot process; its
+  keeper forks the next one at once instead of a new Dask task.  A slot process
+  that crashed (segfault, ``os._exit``, SIGKILL, OOM) makes the keeper return,
+  so the owner counts a failed loop and Dask places a new one; the owner sees
+  the dropped connection and re-runs the chunk, as for a lost worker.
+
+The pipe protocol between keeper and template (pickled tuples, 4-byte
+big-endian length prefix, on a private pipe between a process and its own
+child, never a network socket):
+
+keeper → template: ``("fork", id, spec)`` where ``spec`` is the pickled
+:class:`SlotSpec`; the template's stdin.
+
+template → keeper: ``("started", id, pid)``, ``("exit", id, code, reason)``
+with ``code`` as :attr:`subprocess.Popen.returncode` (``-N`` for signal N) and
+``reason`` the string :func:`fiber_dask.poolworker.serve_slot` returned, or
+None when the slot process died before returning one; ``("failed", id, error)``
+when the fork itself failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any
+
+__all__ = ["SlotSpec", "keep", "get_template", "warm_up", "TERMINATE_GRACE"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a task in a slot process gets to stop after ``terminate()`` (or the
+#: owner's loss) before its slot process ends itself.  Short: ending a slot
+#: process harms nothing else, and the stdlib's ``terminate()`` does not wait
+#: at all.
+TERMINATE_GRACE = 0.3
+
+_HEADER = struct.Struct("!I")
+
+
+# ------------------------------------------------------------------- protocol
+
+
+def write_frame(fd: int, msg: tuple) -> None:
+    """Write one message to ``fd`` (blocking until all of it is written)."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class FrameReader:
+    """Split the bytes read from a pipe into messages."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+
+    def read(self) -> list[tuple] | None:
+        """Read what is available (one ``os.read``); None at EOF."""
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            return None
+        self.buf += data
+        out = []
+        while len(self.buf) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self.buf)
+            if len(self.buf) < _HEADER.size + size:
+                break
+            out.append(
+                pickle.loads(bytes(self.buf[_HEADER.size : _HEADER.size + size]))
+            )
+            del self.buf[: _HEADER.size + size]
+        return out
+
+
+@dataclasses.dataclass
+class SlotSpec:
+    """What a slot process needs: the ``serve_slot`` arguments and its environment."""
+
+    address: tuple[str, int]
+    authkey: bytes
+    service: str
+    slot: int
+    init_blob: bytes | None
+    maxtasks: int | None
+    worker_address: str | None
+    env: dict[str, str]
+    kill_after: float = TERMINATE_GRACE
+
+
+# ---------------------------------------------------------------- the template
+
+
+class _Fork:
+    """The keeper's view of one slot process."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.code: int | None = None
+        self.reason: str | None = None
+        self.error: str | None = None
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+    def _finish(self, code: int | None, reason: str | None, error: str | None) -> None:
+        self.code, self.reason, self.error = code, reason, error
+        self.started.set()
+        self.done.set()
+
+
+class Template:
+    """This process's handle on its template process (one per Dask worker)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.forks: dict[int, _Fork] = {}
+        self.next_id = 0
+        self.proc: subprocess.Popen | None = None
+        self.dead = False
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        # The thread that starts the template must outlive it: the template's
+        # PR_SET_PDEATHSIG fires when this *thread* exits.  It then reads the
+        # template's reports until the template is gone.
+        self.thread = threading.Thread(
+            target=self._run, name="fiber-slot-template", daemon=True
+        )
+        self.thread.start()
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        report_r = -1
+        try:
+            report_r, report_w = os.pipe()
+            env = dict(os.environ)
+            env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
+            # The template must import this very fiber_dask (a worker may have
+            # found it through sys.path rather than PYTHONPATH).
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (env.get("PYTHONPATH"), here) if p
+            )
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "fiber_dask.slotserver", str(report_w)],
+                    stdin=subprocess.PIPE,
+                    pass_fds=(report_w,),
+                    env=env,
+                    close_fds=True,
+                )
+            finally:
+                os.close(report_w)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            if report_r >= 0:
+                os.close(report_r)
+            self.error = OSError(f"cannot start the fiber-dask slot template: {e}")
+            self.dead = True
+            self.ready.set()
+            return
+        self.ready.set()
+        reader = FrameReader(report_r)
+        try:
+            while True:
+                try:
+                    msgs = reader.read()
+                except OSError:
+                    msgs = None
+                if msgs is None:
+                    break
+                for msg in msgs:
+                    self._on_report(msg)
+        finally:
+            os.close(report_r)
+            with self.lock:
+                self.dead = True
+                forks, self.forks = list(self.forks.values()), {}
+            code = self.proc.wait()
+            for f in forks:
+                f._finish(None, None, f"the slot template process exited ({code})")
+            global _template
+            with _template_lock:
+                if _template is self:
+                    _template = None
+
+    def _on_report(self, msg: tuple) -> None:
+        kind, rid = msg[0], msg[1]
+        with self.lock:
+            fork = (
+                self.forks.get(rid) if kind == "started" else self.forks.pop(rid, None)
+            )
+        if fork is None:
+            return
+        if kind == "started":
+            fork.pid = msg[2]
+            fork.started.set()
+        elif kind == "exit":
+            fork._finish(msg[2], msg[3], None)
+        else:  # "failed"
+            fork._finish(None, None, msg[2])
+
+    def fork(self, spec: SlotSpec) -> _Fork:
+        """Ask the template for a slot process running ``spec``."""
+        blob = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        f = _Fork()
+        with self.lock:
+            if self.dead:
+                f._finish(None, None, "the slot template process is gone")
+                return f
+            rid = self.next_id
+            self.next_id += 1
+            self.forks[rid] = f
+            try:
+                write_frame(self.proc.stdin.fileno(), ("fork", rid, blob))
+            except OSError as e:
+                self.forks.pop(rid, None)
+                f._finish(None, None, f"cannot reach the slot template process: {e}")
+        return f
+
+    def close(self) -> None:
+        """Close the template's stdin: it exits, and its slot processes with it."""
+        try:
+            self.proc.stdin.close()
+        except (OSError, AttributeError):
+            pass
+
+
+_template: Template | None = None
+_template_lock = threading.Lock()
+
+
+def get_template() -> Template:
+    """This process's template, started on first use."""
+    global _template
+    with _template_lock:
+        if _template is None or _template.dead:
+            _template = Template()
+        return _template
+
+
+async def warm_up(dask_worker: Any = None) -> None:
+    """Start this worker's template now, so the first slot need not wait for
+    its interpreter and imports (``client.run(warm_up, wait=False)``: a
+    coroutine, because only coroutines may run unawaited; it returns as soon
+    as the template is forked, ~10 ms, without waiting for its imports)."""
+    try:
+        get_template()
+    except OSError:
+        logger.debug("fiber-dask: cannot start the slot template", exc_info=True)
+
+
+def dask_setup(worker: Any) -> None:
+    """Dask worker preload hook (``--preload fiber_dask.slots``, as the embedded
+    cluster does): start the template as the worker starts, in parallel with
+    its registration, and turn the worker's sampling profiler off.
+
+    The profiler (every 10 ms) would only sample keepers waiting for their slot
+    processes; off, two idle Dask workers use 0.031 instead of 0.062 cores
+    (``benchmarks/cpushare.py``), CPU the tasks on the same cores get back.
+    Preloads run before the worker starts its periodic callbacks.
+    """
+    callbacks = getattr(worker, "periodic_callbacks", None)
+    if isinstance(callbacks, dict):
+        for name in ("profile", "profile-cycle"):
+            pc = callbacks.pop(name, None)
+            if pc is not None:
+                pc.stop()
+    try:
+        get_template()
+    except OSError:
+        logger.debug("fiber-dask: cannot start the slot template", exc_info=True)
+
+
+# ------------------------------------------------------------------ the keeper
+
+
+def keep(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    slot: int,
+    init_blob: bytes | None,
+    maxtasks: int | None,
+    worker: Any = None,
+) -> str:
+    """Body of a pool-slot Dask task in process mode: keep one slot process running.
+
+    Returns why the slot ended, as :func:`fiber_dask.poolworker.serve_slot`
+    does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
+    ``"slot process died: ..."`` when it crashed.  A slot process retired by
+    ``maxtasksperchild`` (``"recycled"``) is replaced here, without a new Dask
+    task.
+    """
+    from .launcher import child_env
+
+    worker_address = getattr(worker, "address", None)
+    try:
+        scheduler_address = worker.scheduler.address
+    except AttributeError:
+        scheduler_address = None
+    env = child_env(
+        worker_address, scheduler_address, getattr(worker, "security", None)
+    )
+    env.pop("FIBER_DASK_LAUNCHER_PID", None)
+    spec = SlotSpec(
+        address, authkey, service, slot, init_blob, maxtasks, worker_address, env
+    )
+    while True:
+        try:
+            template = get_template()
+        except OSError as e:
+            return f"slot process could not start: {e}"
+        f = template.fork(spec)
+        # No timeout: the template answers once its imports are done (seconds
+        # on a loaded host), and its death ends the wait; a keeper that gave up
+        # early could leave a slot process it no longer keeps.
+        f.done.wait()
+        if f.reason == "recycled":
+            continue  # maxtasksperchild: a fresh process, at once
+        if f.reason is not None:
+            return f.reason
+        if f.error is not None:
+            return f"slot process could not start: {f.error}"
+        return f"slot process died: {_describe(f.code)} (pid {f.pid})"
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "unknown status"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
