@@ -37,7 +37,13 @@ from typing import Any
 
 from . import channel
 
-__all__ = ["LaunchResult", "Outcome", "run_launcher", "launch_beside_tasks", "child_env"]
+__all__ = [
+    "LaunchResult",
+    "Outcome",
+    "run_launcher",
+    "launch_beside_tasks",
+    "child_env",
+]
 
 _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
 
