@@ -52,7 +52,15 @@ import sys
 import threading
 import uuid
 import weakref
-from multiprocessing.process import BaseProcess, current_process, parent_process
+from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
+    ORIGINAL_DIR,
+    AuthenticationString,
+    BaseProcess,
+    WeakSet,
+    _dangling,
+    current_process,
+    parent_process,
+)
 from typing import Any
 
 from . import channel, cluster
@@ -183,6 +191,12 @@ class Process(BaseProcess):
         config = dict(state["_config"])
         config["authkey"] = bytes(config["authkey"])  # AuthenticationString refuses
         state["_config"] = config
+        # The multiprocessing logger's level reaches the child, as spawn's
+        # preparation data carries it (log_to_stderr / get_logger().setLevel).
+        from multiprocessing import util
+
+        if util._logger is not None:
+            state["_fiber_log_level"] = util._logger.getEffectiveLevel()
         return cloudpickle.dumps((type(self), state), protocol=pickle.HIGHEST_PROTOCOL)
 
     @property

@@ -110,6 +110,11 @@ def main() -> int:
         sys.stderr.flush()
         return 1
     del blob
+    log_level = state.pop("_fiber_log_level", None)
+    if log_level is not None:  # as the stdlib's spawn.prepare() does
+        from multiprocessing import util
+
+        util.get_logger().setLevel(log_level)
     proc = cls.__new__(cls)
     config = dict(state.pop("_config"))
     config["authkey"] = AuthenticationString(config["authkey"])

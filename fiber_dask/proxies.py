@@ -55,7 +55,13 @@ __all__ = [
     "fiber_serializer",
 ]
 
-SERIALIZERS = {"pickle": "fiber-pickle", "xmlrpc": "fiber-xmlrpc"}
+# The stdlib's names (its listener_client keys: "pickle", "xmlrpclib"), and the
+# short "xmlrpc" accepted before.
+SERIALIZERS = {
+    "pickle": "fiber-pickle",
+    "xmlrpclib": "fiber-xmlrpc",
+    "xmlrpc": "fiber-xmlrpc",
+}
 
 
 def fiber_serializer(serializer: str) -> str:
@@ -66,7 +72,8 @@ def fiber_serializer(serializer: str) -> str:
         return SERIALIZERS[serializer]
     except KeyError:
         raise ValueError(
-            f"unknown manager serializer {serializer!r}: use 'pickle' or 'xmlrpc'"
+            f"unknown manager serializer {serializer!r}: use 'pickle' or "
+            "'xmlrpclib' (the stdlib's names)"
         ) from None
 
 
@@ -157,9 +164,8 @@ class _XmlClientWrap(connection.ConnectionWrapper):
     """A connection speaking xmlrpc (the stdlib's XmlClient/XmlListener wrap)."""
 
     def __init__(self, conn: Any) -> None:
-        import xmlrpc.client as xmlrpclib
-
-        super().__init__(conn, xmlrpclib.dumps, connection._xml_loads)
+        # The stdlib's own pair (allow_none, utf-8), as XmlClient uses.
+        super().__init__(conn, connection._xml_dumps, connection._xml_loads)
 
 
 class _XmlListener(_Listener):

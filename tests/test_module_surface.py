@@ -22,18 +22,24 @@ def test_every_stdlib_public_name_exists():
 
 def test_start_methods_are_accepted_and_explained():
     ctx = fiber_dask.DaskContext()  # a fresh one: the start method is per context
-    assert ctx.get_start_method() == "dask"
-    assert ctx.get_all_start_methods() == ["dask"]
-    with pytest.warns(RuntimeWarning, match="not used"):
-        ctx.set_start_method("spawn")
-    with pytest.raises(RuntimeError, match="already been set"):
-        ctx.set_start_method("spawn")
+    # Children are fresh interpreters that receive their target pickled.
+    assert ctx.get_start_method() == "spawn"
+    assert ctx.get_all_start_methods() == ["spawn"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ctx.set_start_method("dask", force=True)  # silent: it is what happens
+        ctx.set_start_method("spawn")  # silent: it is what happens
+    with pytest.raises(RuntimeError, match="already been set"):
+        ctx.set_start_method("spawn")
+    with pytest.warns(RuntimeWarning, match="'fork' is not used"):
+        ctx.set_start_method("fork", force=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx.set_start_method("dask", force=True)  # the old name, still accepted
     with pytest.raises(ValueError, match="cannot find context"):
         ctx.set_start_method("teleport", force=True)
-    assert fiber_dask.get_context("forkserver") is fiber_dask.get_context()
+    with pytest.warns(RuntimeWarning, match="'forkserver' is not used"):
+        assert fiber_dask.get_context("forkserver") is fiber_dask.get_context()
+    assert fiber_dask.get_context("spawn").get_start_method() == "spawn"
     with pytest.raises(ValueError):
         fiber_dask.get_context("teleport")
 
