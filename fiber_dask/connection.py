@@ -64,6 +64,7 @@ from multiprocessing.connection import (
     rebuild_connection,
     reduce_connection,
 )
+from multiprocessing.connection import Connection as _StdConnection
 from multiprocessing.connection import wait as _select_wait
 from typing import Any
 
@@ -274,7 +275,17 @@ def _rebuild(ref: tuple, end: int, readable: bool, writable: bool) -> Connection
 
 
 class Connection:
-    """One end of a :func:`Pipe`: the ``multiprocessing.connection.Connection`` API."""
+    """One end of a :func:`Pipe`: the ``multiprocessing.connection.Connection`` API.
+
+    ``Connection(handle, readable=True, writable=True)`` with an OS handle (a
+    socket or pipe descriptor of this process) gives the stdlib's Connection on
+    that handle, as ``multiprocessing.connection.Connection(handle)`` does.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return _StdConnection(*args, **kwargs)
+        return super().__new__(cls)
 
     def _setup(self, ref, end, readable, writable, target) -> None:
         self._ref, self._end = ref, end

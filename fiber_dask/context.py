@@ -230,7 +230,10 @@ class DaskContext:
         )
 
     def set_forkserver_preload(self, module_names: list[str]) -> None:
-        """Not used (there is no forkserver); warns."""
+        """Not used (there is no forkserver); warns.  Like the stdlib's, a
+        ``TypeError`` unless ``module_names`` is a list of strings."""
+        if not all(type(name) is str for name in module_names):
+            raise TypeError("module_names must be a list of strings")
         warnings.warn(
             "set_forkserver_preload() is not used by fiber-dask (there is no "
             "forkserver: children start on Dask workers).",

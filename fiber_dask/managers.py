@@ -75,6 +75,18 @@ dispatch = _std.dispatch
 State = _std.State
 # Shared memory cannot span hosts: this is the stdlib's, for one machine.
 SharedMemoryManager = getattr(_std, "SharedMemoryManager", None)
+SharedMemoryServer = getattr(_std, "SharedMemoryServer", None)
+HAS_SHMEM = _std.HAS_SHMEM
+# The stdlib's helpers, for code that builds its own proxies and servers.
+all_methods = _std.all_methods
+public_methods = _std.public_methods
+convert_to_error = _std.convert_to_error
+rebuild_as_list = _std.rebuild_as_list
+reduce_array = _std.reduce_array
+ProcessLocalSet = _std.ProcessLocalSet
+RebuildProxy = _std.RebuildProxy
+# The serializer table (the stdlib's own dict: fiber-dask's entries are in it).
+listener_client = _std.listener_client
 
 IteratorProxy = proxy_type_for(_std.IteratorProxy, __name__)
 AcquirerProxy = proxy_type_for(_std.AcquirerProxy, __name__)

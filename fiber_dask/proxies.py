@@ -164,8 +164,22 @@ class _XmlClientWrap(connection.ConnectionWrapper):
     """A connection speaking xmlrpc (the stdlib's XmlClient/XmlListener wrap)."""
 
     def __init__(self, conn: Any) -> None:
-        # The stdlib's own pair (allow_none, utf-8), as XmlClient uses.
-        super().__init__(conn, connection._xml_dumps, connection._xml_loads)
+        super().__init__(conn, _xml_dumps, _xml_loads)
+
+
+# As the stdlib's XmlClient encodes (allow_none, utf-8); its own two functions
+# need a module global that only its XmlClient/XmlListener import.
+def _xml_dumps(obj: Any) -> bytes:
+    import xmlrpc.client
+
+    return xmlrpc.client.dumps((obj,), None, None, None, 1).encode("utf-8")
+
+
+def _xml_loads(s: bytes) -> Any:
+    import xmlrpc.client
+
+    (obj,), _ = xmlrpc.client.loads(s.decode("utf-8"))
+    return obj
 
 
 class _XmlListener(_Listener):

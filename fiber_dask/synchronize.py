@@ -6,8 +6,8 @@ the stdlib: what a process holds when it dies (its connection drops) cannot
 deadlock everyone else.  An ``RLock`` of a dead holder is released at once (no
 other process could release it).  A ``Lock`` or semaphore unit stays held, as in
 the stdlib, so that it can still be handed off (a child acquires, the parent
-releases), until some process waits for it: a dead holder's unit then goes to
-that waiter.
+releases), until some process waits for it (a blocking ``acquire``): a dead
+holder's unit then goes to that waiter.
 
 A ``Condition`` lives with its lock (its own ``RLock``, or the ``Lock`` or
 ``RLock`` it was given): waits and notifies go to that lock's owner.
@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import uuid
+from multiprocessing import synchronize as _std_synchronize
 from typing import Any
 
 from .objserver import (
@@ -37,6 +38,10 @@ __all__ = [
     "Condition",
     "Barrier",
 ]
+
+# The stdlib module's constants (its SemLock kinds and the semaphore limit).
+RECURSIVE_MUTEX, SEMAPHORE = range(2)
+SEM_VALUE_MAX = _std_synchronize.SEM_VALUE_MAX
 
 _OWNER = "owner"  # session key of acquisitions made in the owning process
 
@@ -81,15 +86,16 @@ class _SemState(ServedObject):
                 timeout = 0
             if timeout is not None and timeout < 0:
                 timeout = 0
-            if self.value <= 0 and self.orphans:
+            blocking = timeout is None or timeout > 0
+            if self.value <= 0 and self.orphans and blocking:
                 self.orphans -= 1  # a dead holder's unit goes to a waiter
                 self.value += 1
-            self.waiting += 1
+            self.waiting += blocking
             try:
                 if not self.cond.wait_for(lambda: self.value > 0, timeout):
                     return False
             finally:
-                self.waiting -= 1
+                self.waiting -= blocking
             self.value -= 1
             if self.recursive:
                 self.owner, self.count = who, 1
