@@ -26,7 +26,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["MainNamespace", "keep_code_filenames"]
+__all__ = ["MainNamespace", "dumps_for_child", "keep_code_filenames"]
 
 _DYNAMIC = "<dynamic-code>"
 
@@ -104,3 +104,31 @@ def _by_value_main_function(obj: Any) -> bool:
     # A function whose globals are this process's real __main__ came by
     # reference (the worker imported the script): already shared.
     return main is None or obj.__globals__ is not vars(main)
+
+
+def dumps_for_child(obj: Any) -> bytes:
+    """cloudpickle ``obj`` for a child process, with the stdlib's reducers.
+
+    ``multiprocessing.reduction.ForkingPickler`` knows how to send objects that
+    hold a file descriptor (``heap.BufferWrapper``'s arena, a socket, a stdlib
+    ``Connection``) to a child; cloudpickle does not.  Types cloudpickle
+    handles itself keep its reducers.  The descriptors travel through the
+    stdlib's ``resource_sharer`` (a Unix socket): a child on another host gets
+    a clear error when it unpickles them.
+    """
+    import io
+    import pickle
+    from collections import ChainMap
+    from multiprocessing.reduction import ForkingPickler
+
+    import cloudpickle
+
+    class _ChildPickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(
+            cloudpickle.Pickler.dispatch_table,
+            ForkingPickler._extra_reducers,  # the stdlib's registry
+        )
+
+    buf = io.BytesIO()
+    _ChildPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()

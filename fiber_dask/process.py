@@ -64,6 +64,7 @@ from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
 from typing import Any
 
 from . import channel, cluster
+from .mainglobals import dumps_for_child
 
 __all__ = [
     "Process",
@@ -183,7 +184,6 @@ class Process(BaseProcess):
         _children.add(self)
 
     def _payload(self) -> bytes:
-        import cloudpickle
 
         state = dict(self.__dict__)
         for attr in ("_popen", "_fiber_client", "_sentinel"):
@@ -197,7 +197,13 @@ class Process(BaseProcess):
 
         if util._logger is not None:
             state["_fiber_log_level"] = util._logger.getEffectiveLevel()
-        return cloudpickle.dumps((type(self), state), protocol=pickle.HIGHEST_PROTOCOL)
+        # With the stdlib's reducers for descriptors (see mainglobals); the
+        # authkey first, in a plain pickle: the child must be authenticated as
+        # this process before unpickling them (resource_sharer checks it).
+        inner = dumps_for_child((type(self), state))
+        return pickle.dumps(
+            (config["authkey"], inner), protocol=pickle.HIGHEST_PROTOCOL
+        )
 
     @property
     def ident(self) -> int | None:
