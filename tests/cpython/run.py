@@ -3,6 +3,7 @@
     python tests/cpython/run.py                 # both, then the table
     python tests/cpython/run.py --only fiber WithProcessesTestLock TestWait
     python tests/cpython/run.py --results DIR   # keep the JSON lines in DIR
+    python tests/cpython/run.py --results DIR --rerun --only fiber CLASS...
 
 The tests are the running interpreter's ``test._test_multiprocessing`` (install
 the ``test`` package if ``python -c "import test._test_multiprocessing"`` fails),
@@ -47,7 +48,7 @@ def _command(target: str, workdir: str) -> list[str]:
     return [sys.executable, "-m", "fiber_dask.cli", "run", "--config", config, SUITE]
 
 
-def _read(path: str) -> tuple[dict, list, str | None, bool]:
+def _read(path: str) -> tuple[dict, list, tuple | None, bool]:
     """plan {class: [tests]}, result records, the test started last, done?"""
     plan: dict[str, list[str]] = {}
     results: list[dict] = []
@@ -67,8 +68,6 @@ def _read(path: str) -> tuple[dict, list, str | None, bool]:
                 started = (r["cls"], r["test"])
             elif r["event"] == "result":
                 results.append(r)
-                if started == (r["cls"], r["test"]):
-                    started = None
             elif r["event"] == "done":
                 done = True
     return plan, results, started, done
@@ -87,7 +86,7 @@ def run_target(target: str, classes: list[str], timeout: int, out: str) -> None:
         env=env, check=True, cwd=workdir,
     )  # fmt: skip
     plan, _, _, _ = _read(out)
-    todo = [c for c in plan]
+    todo = [c for c in plan if not classes or c in classes]
     while todo:
         log = open(out + ".log", "a")
         started_at = time.monotonic()
@@ -96,25 +95,21 @@ def run_target(target: str, classes: list[str], timeout: int, out: str) -> None:
             cmd + todo, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT
         )
         log.close()
-        _, results, stuck, done = _read(out)
+        _, _, stuck, done = _read(out)
         if done and proc.returncode == 0:
             return
-        # Died: record the test it died in, go on after its class.
-        if stuck is not None:
-            with open(out, "a") as f:
-                f.write(json.dumps({
-                    "event": "result", "cls": stuck[0], "test": stuck[1],
-                    "outcome": "crash",
-                    "seconds": round(time.monotonic() - started_at, 1),
-                    "detail": f"the run died in this test (exit {proc.returncode}); "
-                    f"see {out}.log",
-                }) + "\n")  # fmt: skip
-            todo = todo[todo.index(stuck[0]) + 1 :] if stuck[0] in todo else []
-        else:
-            seen = {r["cls"] for r in results}
-            todo = [c for c in todo if c not in seen][1:]
-            if not todo:
-                return
+        # Died: record the test it died in, go on with the next class.
+        if stuck is None or stuck[0] not in todo:
+            return
+        with open(out, "a") as f:
+            f.write(json.dumps({
+                "event": "result", "cls": stuck[0], "test": stuck[1],
+                "outcome": "crash",
+                "seconds": round(time.monotonic() - started_at, 1),
+                "detail": f"the run died in this test (exit {proc.returncode}); "
+                f"see {out}.log",
+            }) + "\n")  # fmt: skip
+        todo = todo[todo.index(stuck[0]) + 1 :]
 
 
 def _summary(path: str) -> tuple[dict, dict]:
@@ -189,6 +184,22 @@ def differences(std: str, fiber: str) -> str:
     return "\n".join(rows)
 
 
+def _forget(path: str, classes: set[str]) -> None:
+    """Drop the records of ``classes`` from a results file (for --rerun)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    with open(path, "w") as f:
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("cls") not in classes or r["event"] == "plan":
+                f.write(line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("stdlib", "fiber"), help="one target only")
@@ -199,6 +210,11 @@ def main() -> int:
         action="store_true",
         help="print the table of the results already in --results",
     )
+    parser.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run CLASSES again, replacing their results in --results",
+    )
     parser.add_argument("classes", nargs="*", help="test classes (default: all)")
     args = parser.parse_args()  # fmt: skip
 
@@ -208,7 +224,9 @@ def main() -> int:
     paths = {t: os.path.join(workdir, f"{t}.jsonl") for t in targets}
     if not args.table_only:
         for t in targets:
-            if os.path.exists(paths[t]):
+            if args.rerun and args.classes:
+                _forget(paths[t], set(args.classes))
+            elif os.path.exists(paths[t]):
                 os.unlink(paths[t])
             began = time.monotonic()
             run_target(t, args.classes, args.timeout, paths[t])

@@ -25,6 +25,27 @@ import unittest
 
 import mp_spawn_tests
 
+_teardown_module = mp_spawn_tests.tearDownModule
+
+
+def _tear_down_module() -> None:
+    # The suite's own tearDownModule stops the stdlib's resource tracker and
+    # waits for it, which never ends while processes that inherited it live:
+    # under fiber-dask, the embedded cluster's worker processes.  Close the
+    # cluster first; and never let the teardown hang the run.
+    faulthandler.dump_traceback_later(120, exit=True)
+    if "fiber_dask" in sys.modules:
+        from fiber_dask import swap
+
+        if swap.active():
+            import fiber_dask
+
+            fiber_dask.shutdown()
+    _teardown_module()
+
+
+mp_spawn_tests.tearDownModule = _tear_down_module
+
 
 class TestTimeout(BaseException):
     """Raised in a test that ran past its time limit (a BaseException so that
@@ -166,6 +187,9 @@ def main() -> int:
         )
         runner.run(suite)
         out.write(json.dumps({"event": "done"}) + "\n")
+    # The tests are counted; an exit that hangs (a shutdown waiting on
+    # something) is dumped to the log and ended rather than waited for.
+    faulthandler.dump_traceback_later(60, exit=True)
     return 0
 
 
