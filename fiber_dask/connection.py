@@ -68,8 +68,7 @@ from multiprocessing.connection import Connection as _StdConnection
 from multiprocessing.connection import wait as _select_wait
 from typing import Any
 
-import cloudpickle
-
+from .mainglobals import dumps_for_child
 from .objserver import (
     Remote,
     ServedObject,
@@ -426,9 +425,10 @@ class Connection:
         """Send a picklable object (pickled here, in the caller)."""
         self._check_closed()
         self._check_writable()
-        self._call(
-            "send", self._end, cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        )
+        # With the stdlib's reducers: a socket or stdlib Connection sent
+        # through a Pipe arrives as a duplicate descriptor (on one host), as
+        # with the stdlib, instead of as a meaningless number.
+        self._call("send", self._end, dumps_for_child(obj))
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
         """Receive one message as bytes; ``EOFError`` when the other end is closed."""

@@ -22,6 +22,8 @@ the file exists (always on the embedded cluster).
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 import types
 from typing import Any
@@ -116,19 +118,28 @@ def dumps_for_child(obj: Any) -> bytes:
     stdlib's ``resource_sharer`` (a Unix socket): a child on another host gets
     a clear error when it unpickles them.
     """
-    import io
-    import pickle
-    from collections import ChainMap
-    from multiprocessing.reduction import ForkingPickler
-
-    import cloudpickle
-
-    class _ChildPickler(cloudpickle.Pickler):
-        dispatch_table = ChainMap(
-            cloudpickle.Pickler.dispatch_table,
-            ForkingPickler._extra_reducers,  # the stdlib's registry
-        )
-
     buf = io.BytesIO()
-    _ChildPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _child_pickler()(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+_child_pickler_class: Any = None
+
+
+def _child_pickler() -> Any:
+    # Made once, on first use (cloudpickle is imported lazily).
+    global _child_pickler_class
+    if _child_pickler_class is None:
+        from collections import ChainMap
+        from multiprocessing.reduction import ForkingPickler
+
+        import cloudpickle
+
+        class ChildPickler(cloudpickle.Pickler):
+            dispatch_table = ChainMap(
+                cloudpickle.Pickler.dispatch_table,
+                ForkingPickler._extra_reducers,  # the stdlib's registry
+            )
+
+        _child_pickler_class = ChildPickler
+    return _child_pickler_class
