@@ -70,9 +70,10 @@ Limits
   shared cluster) keeps the binding it got then.
 * User code outside the script's directory (an editable install of the user's own
   package) is only swapped when named in ``fiber.run.swap-modules``.
-* Names that fiber_dask's submodules lack are not filled in from the stdlib's:
-  ``from multiprocessing.connection import Listener`` raises ``ImportError`` naming
-  ``fiber_dask.connection``.
+* Names that fiber_dask's submodules lack are not filled in from the stdlib's (a
+  name missing would raise ``ImportError`` naming ``fiber_dask.<module>``); every
+  public name of the stdlib's submodules exists in fiber_dask's, except the few
+  internals tests/test_module_surface.py lists with their reasons.
 """
 
 from __future__ import annotations
