@@ -22,7 +22,10 @@ from .errors import (
     PoolTerminatedError,
     WorkerLostError,
 )
+from .mainglobals import keep_code_filenames
 from .meta import meta
+
+keep_code_filenames()  # tracebacks from children and workers name the real file
 
 __version__ = "0.1.0"
 

@@ -8,16 +8,67 @@ is closed — a copy held by a process that died counts as closed.
 
 Each end object counts as one open copy: pickling an end opens one more (for
 whoever unpickles it), and a holder process that exits closes its copies.
+
+``fileno()`` and ``wait()``
+---------------------------
+An end has no socket of its own, so ``fileno()`` gives a *readiness descriptor*:
+the read end of a local OS pipe that is readable exactly while ``poll()`` would be
+true, so that ``select``, :func:`wait` and event loops can wait on fiber-dask
+Connections next to sockets and ``Process.sentinel`` objects.
+
+* In the owner, the pipe's buffers set and clear it on every ``send``, ``recv``
+  and ``close`` (exact, no thread).
+* In a holder (another process), a watcher thread started by the first
+  ``fileno()`` long-polls the owner on a connection of its own and sets it when a
+  message or EOF is waiting; a ``recv`` clears it and the watcher looks again.
+  It can be set a moment too long (a message taken by another holder meanwhile),
+  which :func:`wait` corrects by asking the owner (``poll(0)``) before it returns
+  such an end.
+
+The descriptor is for waiting only: bytes written to it are not messages
+(``os.write(conn.fileno(), ...)`` and passing descriptors with
+``reduction.send_handle`` over a fiber-dask Connection do not work).
+
+``Listener``, ``Client`` and the authentication helpers are the stdlib's: they
+make real sockets, reachable from wherever their address routes.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
+import time
+import weakref
+from multiprocessing import AuthenticationError, BufferTooShort
+from multiprocessing.connection import (
+    BUFSIZE,
+    CHALLENGE,
+    CONNECTION_TIMEOUT,
+    FAILURE,
+    MESSAGE_LENGTH,
+    WELCOME,
+    Client,
+    ConnectionWrapper,
+    Listener,
+    SocketClient,
+    SocketListener,
+    XmlClient,
+    XmlListener,
+    address_type,
+    answer_challenge,
+    arbitrary_address,
+    default_family,
+    deliver_challenge,
+    families,
+    rebuild_connection,
+    reduce_connection,
+)
+from multiprocessing.connection import Connection as _StdConnection
+from multiprocessing.connection import wait as _select_wait
 from typing import Any
 
-import cloudpickle
-
+from .mainglobals import dumps_for_child
 from .objserver import (
     Remote,
     ServedObject,
@@ -28,7 +79,74 @@ from .objserver import (
 )
 from .tls import message_view, receive_into
 
-__all__ = ["Pipe", "Connection"]
+__all__ = ["Client", "Connection", "Listener", "Pipe", "wait"]
+
+# The stdlib's socket-based half of the module, re-exported (see the docstring).
+_STDLIB_NAMES = (
+    AuthenticationError,
+    BufferTooShort,
+    BUFSIZE,
+    CHALLENGE,
+    CONNECTION_TIMEOUT,
+    FAILURE,
+    MESSAGE_LENGTH,
+    WELCOME,
+    ConnectionWrapper,
+    SocketClient,
+    SocketListener,
+    XmlClient,
+    XmlListener,
+    address_type,
+    answer_challenge,
+    arbitrary_address,
+    default_family,
+    deliver_challenge,
+    families,
+    rebuild_connection,
+    reduce_connection,
+)
+
+
+class _Readiness:
+    """A local OS pipe whose read end is readable while a flag is set.
+
+    Level-triggered, as ``select`` expects: setting writes one byte, clearing
+    reads it back.  ``cond`` wakes a watcher thread when the flag is cleared.
+    """
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self.is_set = False
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self, flag: bool) -> None:
+        with self.cond:
+            if self.closed or flag == self.is_set:
+                return
+            if flag:
+                os.write(self._w, b"\0")
+            else:
+                try:
+                    os.read(self._r, 1)
+                except BlockingIOError:
+                    pass
+                self.cond.notify_all()
+            self.is_set = flag
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+            os.close(self._r)
+            os.close(self._w)
 
 
 class _PipeState(ServedObject):
@@ -39,6 +157,25 @@ class _PipeState(ServedObject):
         self.heads = [0, 0]
         self.copies = [1, 1]  # open copies of each end
         self.cond = threading.Condition()
+        # Readiness descriptors of this process's ends, kept exact here.
+        self.watchers: tuple[list, list] = ([], [])
+
+    def _signal(self, end: int) -> None:
+        """Bring end ``end``'s readiness descriptors up to date (under cond)."""
+        if self.watchers[end]:
+            ready = self._ready(end)
+            for r in self.watchers[end]:
+                r.set(ready)
+
+    def watch(self, end: int, readiness: _Readiness) -> None:
+        with self.cond:
+            self.watchers[end].append(readiness)
+            self._signal(end)
+
+    def unwatch(self, end: int, readiness: _Readiness) -> None:
+        with self.cond:
+            if readiness in self.watchers[end]:
+                self.watchers[end].remove(readiness)
 
     def _other_gone(self, end: int) -> bool:
         return self.copies[1 - end] <= 0
@@ -49,6 +186,7 @@ class _PipeState(ServedObject):
                 raise BrokenPipeError(32, "Broken pipe: the other end is closed")
             self.inbox[1 - end].append(blob)
             self.cond.notify_all()
+            self._signal(1 - end)
 
     def _ready(self, end: int) -> bool:
         return self.heads[end] < len(self.inbox[end]) or self._other_gone(end)
@@ -72,6 +210,7 @@ class _PipeState(ServedObject):
             if self.heads[end] > 64 and self.heads[end] * 2 > len(box):
                 del box[: self.heads[end]]  # compact, amortised O(1)
                 self.heads[end] = 0
+            self._signal(end)
             return blob
 
     def opened(self, end: int) -> None:
@@ -82,6 +221,7 @@ class _PipeState(ServedObject):
         with self.cond:
             self.copies[end] -= 1
             self.cond.notify_all()
+            self._signal(1 - end)
 
     def serve(self, op: str, args: tuple, session: dict) -> Any:
         if op == "attach":  # a holder's copy (counted when it was pickled)
@@ -120,6 +260,7 @@ class _PipeState(ServedObject):
                 else:
                     self.inbox[end].insert(0, blob)
                 self.cond.notify_all()
+                self._signal(end)
         for end in session.get("ends", ()):
             self.closed(end)  # its holder went away without close()
 
@@ -133,13 +274,24 @@ def _rebuild(ref: tuple, end: int, readable: bool, writable: bool) -> Connection
 
 
 class Connection:
-    """One end of a :func:`Pipe`: the ``multiprocessing.connection.Connection`` API."""
+    """One end of a :func:`Pipe`: the ``multiprocessing.connection.Connection`` API.
+
+    ``Connection(handle, readable=True, writable=True)`` with an OS handle (a
+    socket or pipe descriptor of this process) gives the stdlib's Connection on
+    that handle, as ``multiprocessing.connection.Connection(handle)`` does.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return _StdConnection(*args, **kwargs)
+        return super().__new__(cls)
 
     def _setup(self, ref, end, readable, writable, target) -> None:
         self._ref, self._end = ref, end
         self._readable, self._writable = readable, writable
         self._target = target if target is not None else resolve(*ref)
         self._closed = False
+        self._readiness: _Readiness | None = None
 
     def __reduce__(self):
         self._check_closed()
@@ -184,6 +336,8 @@ class Connection:
             return target.recv(self._end)
         blob = target.call("recv", self._end)
         target.ack()  # received: from now on ours
+        if self._readiness is not None:
+            self._readiness.set(False)  # the watcher looks again
         return blob
 
     def _check_closed(self) -> None:
@@ -199,10 +353,46 @@ class Connection:
             raise OSError("connection is read-only")
 
     def fileno(self) -> int:
-        raise NotImplementedError(
-            "a fiber-dask Connection has no file descriptor (its pipe may live on "
-            "another host); use poll(timeout) instead of select/wait on it"
-        )
+        """A descriptor readable while :meth:`poll` is true, for ``select`` and
+        :func:`wait` (not for reading or writing messages; see the module)."""
+        self._check_closed()
+        if self._readiness is None:
+            with _readiness_lock:
+                if self._readiness is None:
+                    self._readiness = self._start_readiness()
+        return self._readiness.fileno()
+
+    def _start_readiness(self) -> _Readiness:
+        readiness = _Readiness()
+        target = self._target
+        if not self._readable:
+            pass  # never readable, as a write-only stdlib end never selects
+        elif isinstance(target, Remote):
+            stop = threading.Event()
+            threading.Thread(
+                target=_watch_remote,
+                args=(Remote(*self._ref), self._end, readiness, stop),
+                name="fiber-pipe-watch",
+                daemon=True,
+            ).start()
+            weakref.finalize(self, _stop_watch, stop, readiness)
+            self._stop_watch = stop
+        else:
+            target.watch(self._end, readiness)
+            weakref.finalize(self, _unwatch, target, self._end, readiness)
+        return readiness
+
+    def _ready_confirmed(self) -> bool:
+        """For :func:`wait`: whether this end is really ready (asks the owner
+        when the descriptor is kept by a watcher, which may lag)."""
+        if self._closed:
+            return True
+        if isinstance(self._target, Remote):
+            ready = self._call("poll", self._end, 0.0)
+            if not ready and self._readiness is not None:
+                self._readiness.set(False)
+            return ready
+        return True
 
     def close(self) -> None:
         """Close this copy; the other end sees EOF once every copy is closed."""
@@ -210,6 +400,13 @@ class Connection:
             return
         self._closed = True
         target = self._target
+        readiness, self._readiness = self._readiness, None
+        if readiness is not None:
+            stop = getattr(self, "_stop_watch", None)
+            if stop is not None:
+                _stop_watch(stop, readiness)
+            else:
+                _unwatch(target, self._end, readiness)
         if isinstance(target, Remote):
             try:
                 target.call("close", self._end)
@@ -228,9 +425,10 @@ class Connection:
         """Send a picklable object (pickled here, in the caller)."""
         self._check_closed()
         self._check_writable()
-        self._call(
-            "send", self._end, cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        )
+        # With the stdlib's reducers: a socket or stdlib Connection sent
+        # through a Pipe arrives as a duplicate descriptor (on one host), as
+        # with the stdlib, instead of as a meaningless number.
+        self._call("send", self._end, dumps_for_child(obj))
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
         """Receive one message as bytes; ``EOFError`` when the other end is closed."""
@@ -286,3 +484,65 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:  # noqa: N802
 
 class _Keep:
     """Shared by the owner's two ends: garbage when both are."""
+
+
+_readiness_lock = threading.Lock()
+
+
+def _unwatch(state: _PipeState, end: int, readiness: _Readiness) -> None:
+    state.unwatch(end, readiness)
+    readiness.close()
+
+
+def _stop_watch(stop: threading.Event, readiness: _Readiness) -> None:
+    stop.set()
+    readiness.close()  # wakes the watcher, which then exits
+
+
+_WATCH_SLICE = 1.0  # seconds: how long one long-poll of the owner lasts
+
+
+def _watch_remote(
+    remote: Remote, end: int, readiness: _Readiness, stop: threading.Event
+) -> None:
+    """A holder's watcher: sets ``readiness`` while the owner has a message or
+    EOF for end ``end``, on a connection of its own (the holder's requests
+    never wait behind a long-poll)."""
+    try:
+        while not stop.is_set():
+            with readiness.cond:
+                while readiness.is_set and not readiness.closed:
+                    readiness.cond.wait()
+                if readiness.closed:
+                    return
+            try:
+                ready = remote.call("poll", end, _WATCH_SLICE)
+            except Exception:  # noqa: BLE001 - the owner is gone: recv says so
+                readiness.set(True)
+                return
+            if ready:
+                readiness.set(True)
+    finally:
+        remote.close()
+
+
+def wait(object_list: Any, timeout: float | None = None) -> list:
+    """Wait till an object in ``object_list`` is ready; return the ready ones.
+
+    ``multiprocessing.connection.wait``: the objects are fiber-dask
+    Connections, stdlib Connections, sockets, ``Process.sentinel`` descriptors or
+    anything else with a ``fileno()`` (or an int descriptor).  ``timeout`` None
+    waits forever; a negative one does not wait.
+    """
+    object_list = list(object_list)
+    deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready = _select_wait(object_list, left)
+        confirmed = [
+            o for o in ready if not isinstance(o, Connection) or o._ready_confirmed()
+        ]
+        if confirmed or len(confirmed) == len(ready):
+            return confirmed
+        if deadline is not None and time.monotonic() >= deadline:
+            return []

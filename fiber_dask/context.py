@@ -9,17 +9,37 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
+from multiprocessing import (
+    AuthenticationError,
+    BufferTooShort,
+    ProcessError,
+    TimeoutError,  # noqa: A004 - the stdlib's name
+)
+from multiprocessing.context import (
+    assert_spawning,
+    get_spawning_popen,
+    set_spawning_popen,
+)
 from typing import Any
 
-from .process import Process as _Process
+from .process import Process
 
 __all__ = ["DaskContext", "get_context", "default_context"]
 
+_Process = Process
+
 
 class DaskContext:
-    """A ``multiprocessing`` context whose objects live on a Dask cluster."""
+    """A ``multiprocessing`` context whose objects live on a Dask cluster.
 
-    _name = "dask"
+    Its start method is ``"spawn"``: every child is a fresh interpreter (on a
+    Dask worker) that receives its target pickled, which is what code that asks
+    ``get_start_method()`` needs to know.  There is one such context; the
+    stdlib's other method names are accepted with a warning (see
+    :meth:`set_start_method`).
+    """
+
+    _name = "spawn"
 
     # The class itself, as in the stdlib's contexts: users subclass it.
     Process = _Process
@@ -165,38 +185,34 @@ class DaskContext:
 
     def get_context(self, method: str | None = None) -> DaskContext:
         """This context, whatever ``method`` names: children always start on
-        Dask workers.  An unknown method is a ``ValueError``, as in the stdlib."""
+        Dask workers as fresh interpreters (``"spawn"``).  ``"fork"`` and
+        ``"forkserver"`` warn that they are not used; an unknown method is a
+        ``ValueError``, as in the stdlib."""
         _check_method(method)
+        _warn_unused(method, "get_context")
         return self
 
     def get_start_method(self, allow_none: bool = False) -> str:
-        """``"dask"``: children start on Dask workers."""
+        """``"spawn"``: children are fresh interpreters on Dask workers."""
         return self._name
 
     def get_all_start_methods(self) -> list[str]:
-        """The one start method fiber-dask has."""
+        """The one start method fiber-dask has: ``["spawn"]``."""
         return [self._name]
 
     def set_start_method(self, method: str | None, force: bool = False) -> None:
         """Accepted so legacy scripts run: children always start on Dask workers.
 
-        ``"dask"`` (or None with ``force``) is silent; a stdlib method name
-        (``fork``, ``spawn``, ``forkserver``) warns that it is not honoured; an
-        unknown name is a ``ValueError``.  Like the stdlib, a second call
+        ``"spawn"`` (what happens; also its old name ``"dask"``), or None, is
+        silent; ``"fork"`` and ``"forkserver"`` warn that they are not honoured;
+        an unknown name is a ``ValueError``.  Like the stdlib, a second call
         without ``force=True`` is a ``RuntimeError``.
         """
         _check_method(method)
         if self._method_set and not force:
             raise RuntimeError("context has already been set")
         self._method_set = method is not None
-        if method not in (None, self._name):
-            warnings.warn(
-                f"set_start_method({method!r}): fiber-dask starts every child on a "
-                "Dask worker (a fresh Python process there, like 'spawn'); the "
-                "start method is not used.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        _warn_unused(method, "set_start_method")
 
     _method_set = False
 
@@ -214,7 +230,10 @@ class DaskContext:
         )
 
     def set_forkserver_preload(self, module_names: list[str]) -> None:
-        """Not used (there is no forkserver); warns."""
+        """Not used (there is no forkserver); warns.  Like the stdlib's, a
+        ``TypeError`` unless ``module_names`` is a list of strings."""
+        if not all(type(name) is str for name in module_names):
+            raise TypeError("module_names must be a list of strings")
         warnings.warn(
             "set_forkserver_preload() is not used by fiber-dask (there is no "
             "forkserver: children start on Dask workers).",
@@ -255,12 +274,38 @@ class DaskContext:
 
 default_context = DaskContext()
 
-_METHODS = ("dask", "fork", "spawn", "forkserver")
+_METHODS = ("spawn", "dask", "fork", "forkserver")
+
+# The stdlib's module names for its contexts and their Process classes: all of
+# them are the one fiber-dask context (children are always spawned on workers).
+BaseContext = DefaultContext = SpawnContext = DaskContext
+ForkContext = ForkServerContext = DaskContext
+SpawnProcess = ForkProcess = ForkServerProcess = Process
+_STDLIB_NAMES = (
+    AuthenticationError,
+    BufferTooShort,
+    ProcessError,
+    TimeoutError,
+    assert_spawning,
+    get_spawning_popen,
+    set_spawning_popen,
+)
 
 
 def _check_method(method: str | None) -> None:
     if method is not None and method not in _METHODS:
         raise ValueError(f"cannot find context for {method!r}")
+
+
+def _warn_unused(method: str | None, caller: str) -> None:
+    if method in ("fork", "forkserver"):
+        warnings.warn(
+            f"{caller}({method!r}): fiber-dask starts every child on a Dask worker "
+            "as a fresh interpreter (the 'spawn' method); the start method "
+            f"{method!r} is not used.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def get_context(method: str | None = None) -> DaskContext:

@@ -11,15 +11,59 @@ in a dict no task function reads.
 dict: the first function's, with later functions rebound to it.  Names it
 already has keep their worker-side values (what the initializer or earlier
 tasks set), like module state in a stdlib worker; names it lacks are added.
+
+:func:`keep_code_filenames` makes functions sent by value keep their source
+file name: cloudpickle (3.x) names the code of every function it pickles by
+value ``<dynamic-code>``, so a traceback printed by a child or a pool worker
+said ``File "<dynamic-code>", line 12`` with no source line.  With the real
+name, the traceback shows the file and line, and the source text too wherever
+the file exists (always on the embedded cluster).
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 import types
 from typing import Any
 
-__all__ = ["MainNamespace"]
+__all__ = ["MainNamespace", "dumps_for_child", "keep_code_filenames"]
+
+_DYNAMIC = "<dynamic-code>"
+
+
+def keep_code_filenames() -> None:
+    """Make cloudpickle keep ``co_filename`` in the code it pickles by value.
+
+    Installed once, by ``import fiber_dask``, in cloudpickle's own table of
+    reducers (the code reducer is the one place that name is replaced); the
+    rest of the pickled code object is cloudpickle's, unchanged.  If a future
+    cloudpickle has no such table, functions keep travelling as they do there.
+    """
+    try:
+        from cloudpickle import cloudpickle as cp
+
+        table = cp.Pickler._dispatch_table
+        original = table[types.CodeType]
+    except (ImportError, AttributeError, KeyError):
+        return
+    if getattr(original, "_fiber_keeps_filenames", False):
+        return
+
+    def code_reduce(code: types.CodeType) -> Any:
+        rv = original(code)
+        try:
+            make, args = rv
+            i = args.index(_DYNAMIC)
+        except ValueError:
+            return rv
+        if code.co_filename == _DYNAMIC:
+            return rv
+        return make, args[:i] + (code.co_filename,) + args[i + 1 :]
+
+    code_reduce._fiber_keeps_filenames = True  # type: ignore[attr-defined]
+    table[types.CodeType] = code_reduce
 
 
 class MainNamespace:
@@ -62,3 +106,40 @@ def _by_value_main_function(obj: Any) -> bool:
     # A function whose globals are this process's real __main__ came by
     # reference (the worker imported the script): already shared.
     return main is None or obj.__globals__ is not vars(main)
+
+
+def dumps_for_child(obj: Any) -> bytes:
+    """cloudpickle ``obj`` for a child process, with the stdlib's reducers.
+
+    ``multiprocessing.reduction.ForkingPickler`` knows how to send objects that
+    hold a file descriptor (``heap.BufferWrapper``'s arena, a socket, a stdlib
+    ``Connection``) to a child; cloudpickle does not.  Types cloudpickle
+    handles itself keep its reducers.  The descriptors travel through the
+    stdlib's ``resource_sharer`` (a Unix socket): a child on another host gets
+    a clear error when it unpickles them.
+    """
+    buf = io.BytesIO()
+    _child_pickler()(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+_child_pickler_class: Any = None
+
+
+def _child_pickler() -> Any:
+    # Made once, on first use (cloudpickle is imported lazily).
+    global _child_pickler_class
+    if _child_pickler_class is None:
+        from collections import ChainMap
+        from multiprocessing.reduction import ForkingPickler
+
+        import cloudpickle
+
+        class ChildPickler(cloudpickle.Pickler):
+            dispatch_table = ChainMap(
+                cloudpickle.Pickler.dispatch_table,
+                ForkingPickler._extra_reducers,  # the stdlib's registry
+            )
+
+        _child_pickler_class = ChildPickler
+    return _child_pickler_class

@@ -17,10 +17,12 @@ fiber-dask changes where things live and how they are reached:
 * **Proxies work anywhere**: they carry the manager's authkey when pickled (see
   :mod:`fiber_dask.proxies`), so a proxy passed to a Process or a Pool task on
   another host still reaches its object.
-* **Locks held by a dead client are released**: a managed ``Lock``, ``RLock``,
-  ``Semaphore`` or ``BoundedSemaphore`` remembers which connection took it;
-  when that connection drops (its process died), what it held is released
-  instead of deadlocking everyone else.
+* **Locks held by a dead client cannot deadlock the others**: a managed
+  ``Lock``, ``RLock``, ``Semaphore`` or ``BoundedSemaphore`` remembers which
+  connection took it; when that connection drops (its process ended), an RLock
+  is released, and a Lock or semaphore unit stays held for a hand-off (another
+  process may release it, as in the stdlib) until a blocking ``acquire`` needs
+  it (see :mod:`fiber_dask.synchronize`).
 * ``manager.Pool()`` is a fiber-dask Pool on the same cluster, not a pool of
   local processes.
 * **TLS when the cluster uses it**: the server process listens in the mode
@@ -75,6 +77,18 @@ dispatch = _std.dispatch
 State = _std.State
 # Shared memory cannot span hosts: this is the stdlib's, for one machine.
 SharedMemoryManager = getattr(_std, "SharedMemoryManager", None)
+SharedMemoryServer = getattr(_std, "SharedMemoryServer", None)
+HAS_SHMEM = _std.HAS_SHMEM
+# The stdlib's helpers, for code that builds its own proxies and servers.
+all_methods = _std.all_methods
+public_methods = _std.public_methods
+convert_to_error = _std.convert_to_error
+rebuild_as_list = _std.rebuild_as_list
+reduce_array = _std.reduce_array
+ProcessLocalSet = _std.ProcessLocalSet
+RebuildProxy = _std.RebuildProxy
+# The serializer table (the stdlib's own dict: fiber-dask's entries are in it).
+listener_client = _std.listener_client
 
 IteratorProxy = proxy_type_for(_std.IteratorProxy, __name__)
 AcquirerProxy = proxy_type_for(_std.AcquirerProxy, __name__)

@@ -51,10 +51,19 @@ import threading
 import time
 import uuid
 import weakref
-from multiprocessing.process import BaseProcess, current_process, parent_process
+from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
+    ORIGINAL_DIR,
+    AuthenticationString,
+    BaseProcess,
+    WeakSet,
+    _dangling,
+    current_process,
+    parent_process,
+)
 from typing import Any
 
 from . import channel, cluster, launcher, security
+from .mainglobals import dumps_for_child
 
 __all__ = [
     "Process",
@@ -177,7 +186,6 @@ class Process(BaseProcess):
         _children.add(self)
 
     def _payload(self) -> bytes:
-        import cloudpickle
 
         state = dict(self.__dict__)
         for attr in ("_popen", "_fiber_client", "_sentinel"):
@@ -185,7 +193,19 @@ class Process(BaseProcess):
         config = dict(state["_config"])
         config["authkey"] = bytes(config["authkey"])  # AuthenticationString refuses
         state["_config"] = config
-        return cloudpickle.dumps((type(self), state), protocol=pickle.HIGHEST_PROTOCOL)
+        # The multiprocessing logger's level reaches the child, as spawn's
+        # preparation data carries it (log_to_stderr / get_logger().setLevel).
+        from multiprocessing import util
+
+        if util._logger is not None:
+            state["_fiber_log_level"] = util._logger.getEffectiveLevel()
+        # With the stdlib's reducers for descriptors (see mainglobals); the
+        # authkey first, in a plain pickle: the child must be authenticated as
+        # this process before unpickling them (resource_sharer checks it).
+        inner = dumps_for_child((type(self), state))
+        return pickle.dumps(
+            (config["authkey"], inner), protocol=pickle.HIGHEST_PROTOCOL
+        )
 
     @property
     def ident(self) -> int | None:

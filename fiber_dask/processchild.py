@@ -1,8 +1,9 @@
 """The child bootstrap of a fiber-dask ``Process``: ``python -m fiber_dask.processchild``.
 
 Started by the launcher (``fiber_dask.launcher.run_launcher``) inside a Dask
-worker.  Protocol on stdin: an 8-byte big-endian length, then the cloudpickled
-``(Process subclass, state)``; after that stdin stays open and carries nothing.
+worker.  Protocol on stdin: an 8-byte big-endian length, then a pickled
+``(authkey, blob)`` whose blob is the cloudpickled ``(Process subclass, state)``
+(a bare ``(Process subclass, state)`` is accepted too); after that stdin stays open and carries nothing.
 Its EOF means the launcher's worker process is gone, and the child kills
 itself so that no orphan outlives its worker.  The payload carries the authkey,
 which is why it never appears on the command line.
@@ -87,6 +88,7 @@ def main() -> int:
         except (AttributeError, ValueError):
             pass
 
+    import multiprocessing
     import pickle
     from multiprocessing.process import AuthenticationString
 
@@ -101,7 +103,13 @@ def main() -> int:
     swap.install_from_environ()
 
     try:
-        cls, state = pickle.loads(blob)
+        # (authkey, inner): our authkey is the parent's before the objects that
+        # fetch descriptors from it (the stdlib's resource_sharer) are unpickled.
+        outer = pickle.loads(blob)
+        if isinstance(outer[0], bytes):
+            multiprocessing.current_process().authkey = outer[0]
+            outer = pickle.loads(outer[1])
+        cls, state = outer
     except BaseException:
         import traceback
 
@@ -110,6 +118,11 @@ def main() -> int:
         sys.stderr.flush()
         return 1
     del blob
+    log_level = state.pop("_fiber_log_level", None)
+    if log_level is not None:  # as the stdlib's spawn.prepare() does
+        from multiprocessing import util
+
+        util.get_logger().setLevel(log_level)
     proc = cls.__new__(cls)
     config = dict(state.pop("_config"))
     config["authkey"] = AuthenticationString(config["authkey"])

@@ -55,7 +55,13 @@ __all__ = [
     "fiber_serializer",
 ]
 
-SERIALIZERS = {"pickle": "fiber-pickle", "xmlrpc": "fiber-xmlrpc"}
+# The stdlib's names (its listener_client keys: "pickle", "xmlrpclib"), and the
+# short "xmlrpc" accepted before.
+SERIALIZERS = {
+    "pickle": "fiber-pickle",
+    "xmlrpclib": "fiber-xmlrpc",
+    "xmlrpc": "fiber-xmlrpc",
+}
 
 
 def fiber_serializer(serializer: str) -> str:
@@ -66,7 +72,8 @@ def fiber_serializer(serializer: str) -> str:
         return SERIALIZERS[serializer]
     except KeyError:
         raise ValueError(
-            f"unknown manager serializer {serializer!r}: use 'pickle' or 'xmlrpc'"
+            f"unknown manager serializer {serializer!r}: use 'pickle' or "
+            "'xmlrpclib' (the stdlib's names)"
         ) from None
 
 
@@ -157,9 +164,22 @@ class _XmlClientWrap(connection.ConnectionWrapper):
     """A connection speaking xmlrpc (the stdlib's XmlClient/XmlListener wrap)."""
 
     def __init__(self, conn: Any) -> None:
-        import xmlrpc.client as xmlrpclib
+        super().__init__(conn, _xml_dumps, _xml_loads)
 
-        super().__init__(conn, xmlrpclib.dumps, connection._xml_loads)
+
+# As the stdlib's XmlClient encodes (allow_none, utf-8); its own two functions
+# need a module global that only its XmlClient/XmlListener import.
+def _xml_dumps(obj: Any) -> bytes:
+    import xmlrpc.client
+
+    return xmlrpc.client.dumps((obj,), None, None, None, 1).encode("utf-8")
+
+
+def _xml_loads(s: bytes) -> Any:
+    import xmlrpc.client
+
+    (obj,), _ = xmlrpc.client.loads(s.decode("utf-8"))
+    return obj
 
 
 class _XmlListener(_Listener):

@@ -97,9 +97,10 @@ Limits
   ``importlib.import_module("concurrent.futures")``.  ``isinstance(x,
   concurrent.futures.ProcessPoolExecutor)`` holds for fiber-dask's executor (it
   subclasses the stdlib's).
-* Names that fiber_dask's submodules lack are not filled in from the stdlib's:
-  ``from multiprocessing.connection import Listener`` raises ``ImportError`` naming
-  ``fiber_dask.connection``.
+* Names that fiber_dask's submodules lack are not filled in from the stdlib's (a
+  name missing would raise ``ImportError`` naming ``fiber_dask.<module>``); every
+  public name of the stdlib's submodules exists in fiber_dask's, except the few
+  internals tests/test_module_surface.py lists with their reasons.
 """
 
 from __future__ import annotations

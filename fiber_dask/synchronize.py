@@ -2,8 +2,12 @@
 
 Like a Queue, each lives in the process that created it (see ``objserver``);
 other processes acquire and release it over the authenticated channel.  Beyond
-the stdlib: what a process holds when it dies (its connection drops) is
-released, so a killed worker cannot deadlock everyone else.
+the stdlib: what a process holds when it dies (its connection drops) cannot
+deadlock everyone else.  An ``RLock`` of a dead holder is released at once (no
+other process could release it).  A ``Lock`` or semaphore unit stays held, as in
+the stdlib, so that it can still be handed off (a child acquires, the parent
+releases), until some process waits for it (a blocking ``acquire``): a dead
+holder's unit then goes to that waiter.
 
 A ``Condition`` lives with its lock (its own ``RLock``, or the ``Lock`` or
 ``RLock`` it was given): waits and notifies go to that lock's owner.
@@ -15,6 +19,7 @@ import os
 import socket
 import threading
 import uuid
+from multiprocessing import synchronize as _std_synchronize
 from typing import Any
 
 from .objserver import (
@@ -33,6 +38,10 @@ __all__ = [
     "Condition",
     "Barrier",
 ]
+
+# The stdlib module's constants (its SemLock kinds and the semaphore limit).
+RECURSIVE_MUTEX, SEMAPHORE = range(2)
+SEM_VALUE_MAX = _std_synchronize.SEM_VALUE_MAX
 
 _OWNER = "owner"  # session key of acquisitions made in the owning process
 
@@ -58,8 +67,13 @@ class _SemState(ServedObject):
         self.count = 0  # RLock recursion depth
         self.holder: tuple | None = None  # Lock: who took it last (Condition)
         self.held: dict[Any, int] = {}  # session -> acquisitions not released
+        # Units held by processes that died (see the module docstring), and how
+        # many acquirers are waiting now.
+        self.orphans = 0
+        self.waiting = 0
         # Conditions built on this lock: condition id -> waiters' tickets
         self.waiters: dict[str, list[list[bool]]] = {}
+        self.cond_counts: dict[str, list[int]] = {}  # cid -> [sleeping, woken]
 
     def acquire(
         self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
@@ -72,8 +86,16 @@ class _SemState(ServedObject):
                 timeout = 0
             if timeout is not None and timeout < 0:
                 timeout = 0
-            if not self.cond.wait_for(lambda: self.value > 0, timeout):
-                return False
+            blocking = timeout is None or timeout > 0
+            if self.value <= 0 and self.orphans and blocking:
+                self.orphans -= 1  # a dead holder's unit goes to a waiter
+                self.value += 1
+            self.waiting += blocking
+            try:
+                if not self.cond.wait_for(lambda: self.value > 0, timeout):
+                    return False
+            finally:
+                self.waiting -= blocking
             self.value -= 1
             if self.recursive:
                 self.owner, self.count = who, 1
@@ -94,27 +116,32 @@ class _SemState(ServedObject):
                 self.owner = None
             elif self.maxvalue is not None and self.value >= self.maxvalue:
                 raise ValueError("semaphore or lock released too many times")
-            self._forget(sid)
+            if not self._forget(sid) and self.orphans:
+                self.orphans -= 1  # the hand-off of a unit its dead holder took
             self.holder = None
             self.value += 1
             # notify_all: a Condition shares this mutex with its waiters, whose
             # predicates differ; one notify could wake the wrong thread.
             self.cond.notify_all()
 
-    def _forget(self, sid: Any) -> None:
+    def _forget(self, sid: Any) -> bool:
         # A Lock may be released by another process than the one that took
         # it: count the release against the releaser's acquisitions, or
-        # else against anyone's.
+        # else against anyone's living.  False: nobody living held it.
         if self.held.get(sid):
             key = sid
         else:
             key = next((k for k, n in self.held.items() if n), None)
         if key is not None:
             self.held[key] -= 1
+        return key is not None
 
     def get_value(self) -> int:
         with self.cond:
             return self.value
+
+    def get_maxvalue(self) -> int | None:
+        return self.maxvalue
 
     def _held_by(self, who: tuple) -> bool:
         if self.recursive:
@@ -132,21 +159,37 @@ class _SemState(ServedObject):
             count = self.count
             ticket = [False]
             self.waiters.setdefault(cid, []).append(ticket)
+            counts = self.cond_counts.setdefault(cid, [0, 0])
+            counts[0] += 1  # sleeping
             self.owner, self.count, self.holder = None, 0, None
             self._forget(sid)
             self.value += 1
             self.cond.notify_all()
-            notified = self.cond.wait_for(lambda: ticket[0], timeout)
-            if not notified:
-                self.waiters[cid].remove(ticket)
-            # Take the lock back, as threading.Condition does, however long.
-            self.cond.wait_for(lambda: self.value > 0)
-            self.value -= 1
-            if self.recursive:
-                self.owner, self.count = who, count
-            self.holder = who
-            self.held[sid] = self.held.get(sid, 0) + 1
+            notified = False
+            try:
+                notified = self.cond.wait_for(lambda: ticket[0], timeout)
+            finally:
+                # Also when interrupted (KeyboardInterrupt in the owner): the
+                # caller leaves wait() holding the lock, as threading's does.
+                if not ticket[0] and ticket in self.waiters.get(cid, ()):
+                    self.waiters[cid].remove(ticket)
+                counts[1] += 1  # woken
+                self.cond.wait_for(lambda: self.value > 0)
+                self.value -= 1
+                if self.recursive:
+                    self.owner, self.count = who, count
+                self.holder = who
+                self.held[sid] = self.held.get(sid, 0) + 1
             return notified
+
+    def cond_info(self, cid: str) -> tuple[int, int, int]:
+        """(waits begun, waits ended, notified waiters not yet woken) of a
+        Condition: the stdlib's ``_sleeping_count``, ``_woken_count`` and
+        ``_wait_semaphore`` values."""
+        with self.cond:
+            sleeping, woken = self.cond_counts.get(cid, (0, 0))
+            waiting = len(self.waiters.get(cid, ()))
+            return sleeping, woken, max(sleeping - woken - waiting, 0)
 
     def cond_notify(self, cid: str, n: int, who: tuple) -> None:
         with self.cond:
@@ -170,7 +213,7 @@ class _SemState(ServedObject):
             return self.release(*args, sid)
         if op == "cond_wait":
             return self.cond_wait(*args, sid)
-        if op in ("get_value", "is_mine", "cond_notify"):
+        if op in ("get_value", "is_mine", "cond_notify", "cond_info", "get_maxvalue"):
             return getattr(self, op)(*args)
         raise ValueError(f"unknown semaphore operation {op!r}")
 
@@ -180,12 +223,19 @@ class _SemState(ServedObject):
             n = self.held.pop(sid, 0)
             if n <= 0:
                 return
-            # Its holder died: release what it held, instead of a deadlock.
             if self.recursive:
-                self.owner, self.count = None, 0
-            self.holder = None
-            self.value += n
-            self.cond.notify_all()
+                # Nobody else may release an RLock: free it now.
+                self.owner, self.count, self.holder = None, 0, None
+                self.value += n
+                self.cond.notify_all()
+                return
+            # Kept for a hand-off; given to a waiter instead of a deadlock.
+            self.orphans += n
+            if self.waiting:
+                given = min(self.waiting, self.orphans)
+                self.orphans -= given
+                self.value += given
+                self.cond.notify_all()
 
 
 class _Served:
@@ -264,6 +314,14 @@ class BoundedSemaphore(Semaphore):
 
     _maxvalue_of_value = True
 
+    def __repr__(self) -> str:
+        try:
+            value = self.get_value()
+        except Exception:
+            value = "unknown"
+        maxvalue = self._call("get_maxvalue")
+        return f"<{type(self).__name__}(value={value}, maxvalue={maxvalue})>"
+
 
 class Lock(Semaphore):
     """``multiprocessing.Lock``: any process may release it, as in the stdlib."""
@@ -341,6 +399,10 @@ class Event(_Served):
         """Wait until set; returns the flag (False after a timeout)."""
         return self._call("wait", timeout)
 
+    def __repr__(self) -> str:
+        set_status = "set" if self.is_set() else "unset"
+        return f"<{type(self).__qualname__} at {id(self):#x} {set_status}>"
+
 
 class Condition:
     """``multiprocessing.Condition`` usable from any process of the cluster.
@@ -401,7 +463,40 @@ class Condition:
         self.notify(1 << 30)
 
     def __repr__(self) -> str:
-        return f"<Condition({self._lock!r})>"
+        try:
+            sleeping, woken, _ = self._info()
+            waiters: Any = sleeping - woken
+        except Exception:
+            waiters = "unknown"
+        return f"<Condition({self._lock!r}, {waiters})>"
+
+    def _info(self) -> tuple[int, int, int]:
+        return self._lock._call("cond_info", self._cid)
+
+    # The stdlib's Condition is built of three semaphores that code (and
+    # CPython's tests) read: waits begun, waits ended, wake-ups not yet taken.
+    @property
+    def _sleeping_count(self) -> _Count:
+        return _Count(self, 0)
+
+    @property
+    def _woken_count(self) -> _Count:
+        return _Count(self, 1)
+
+    @property
+    def _wait_semaphore(self) -> _Count:
+        return _Count(self, 2)
+
+
+class _Count:
+    """One of a Condition's counts, read with ``get_value()`` like the
+    stdlib's semaphore of the same name."""
+
+    def __init__(self, cond: Condition, index: int) -> None:
+        self._cond, self._index = cond, index
+
+    def get_value(self) -> int:
+        return self._cond._info()[self._index]
 
 
 def _rebuild_condition(lock: Semaphore, cid: str) -> Condition:

@@ -366,3 +366,35 @@ def test_fiber_managers_submodule_is_a_drop_in():
         assert isinstance(m, std.SyncManager.__mro__[1])  # a stdlib BaseManager
     finally:
         m.shutdown()
+
+
+def take_managed_lock_and_exit(lock):
+    lock.acquire()
+
+
+@pytest.mark.parametrize("kind", ["Lock", "BoundedSemaphore"])
+def test_managed_lock_taken_by_an_exited_child_is_released_by_the_parent(
+    ctx, manager, kind
+):
+    lock = getattr(manager, kind)()
+    p = ctx.Process(target=take_managed_lock_and_exit, args=(lock,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    lock.release()  # a hand-off, as with the stdlib
+    with pytest.raises((RuntimeError, ValueError)):
+        lock.release()
+
+
+def test_xmlrpclib_serializer_by_its_stdlib_name(ctx):
+    manager_cls = (
+        fiber_dask.managers.SyncManager
+        if ctx_name(ctx) == "fiber"
+        else multiprocessing.managers.SyncManager
+    )
+    with manager_cls(serializer="xmlrpclib") as m:
+        d = m.dict()
+        d["x"] = None  # xmlrpc's None needs allow_none, which the stdlib sets
+        assert d.get("x", 1) is None
+    with pytest.raises(ValueError, match="xmlrpclib"):
+        fiber_dask.managers.SyncManager(serializer="json")

@@ -307,3 +307,72 @@ def test_condition_with_a_lock_of_your_own(ctx, kind):
 def test_fiber_condition_refuses_a_foreign_lock(fiber_ctx):
     with pytest.raises(TypeError, match="fiber_dask Lock or RLock"):
         fiber_ctx.Condition(threading.Lock())
+
+
+def take_and_exit(lock):
+    lock.acquire()  # and exit holding it: a hand-off to whoever releases it
+
+
+@pytest.mark.parametrize("kind", ["Lock", "BoundedSemaphore"])
+def test_lock_taken_by_an_exited_child_is_released_by_the_parent(ctx, kind):
+    lock = getattr(ctx, kind)()
+    p = ctx.Process(target=take_and_exit, args=(lock,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    assert lock.acquire(False) is False  # still held, as the stdlib's
+    lock.release()  # the hand-off
+    with pytest.raises(ValueError):
+        lock.release()
+    assert lock.acquire(timeout=5)
+    lock.release()
+
+
+def interrupt_soon(cond, pid):
+    with cond:
+        cond.notify()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGINT)
+
+
+def test_condition_wait_interrupted_keeps_the_lock(ctx):
+    cond = ctx.Condition()
+    with cond:
+        p = ctx.Process(target=interrupt_soon, args=(cond, os.getpid()))
+        p.start()
+        assert cond.wait(30)
+        with pytest.raises(KeyboardInterrupt):
+            cond.wait(30)
+        # wait() left holding the lock, as threading's does: release works
+        # and another process can take it afterwards.
+    p.join(30)
+    assert cond.acquire(timeout=5)
+    cond.release()
+
+
+def wait_on(cond, ready):
+    with cond:
+        ready.release()
+        cond.wait(30)
+
+
+def test_condition_counts_waiters_like_the_stdlib(ctx):
+    cond, ready = ctx.Condition(), ctx.Semaphore(0)
+    p = ctx.Process(target=wait_on, args=(cond, ready))
+    p.start()
+    assert ready.acquire(timeout=30)
+    with cond:  # the waiter is inside wait() now (it released the lock)
+        sleeping = cond._sleeping_count.get_value()
+        woken = cond._woken_count.get_value()
+        assert sleeping - woken == 1
+        cond.notify()
+    p.join(30)
+    assert cond._sleeping_count.get_value() - cond._woken_count.get_value() == 0
+    assert cond._wait_semaphore.get_value() == 0
+
+
+def test_event_repr_is_the_stdlibs(ctx):
+    ev = ctx.Event()
+    assert repr(ev).startswith("<Event at 0x") and repr(ev).endswith(" unset>")
+    ev.set()
+    assert repr(ev).endswith(" set>")
