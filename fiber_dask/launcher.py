@@ -132,8 +132,16 @@ def _secede() -> None:
 
 
 def child_env(
-    worker_address: str | None, scheduler_address: str | None, security: Any = None
+    worker_address: str | None,
+    scheduler_address: str | None,
+    security: Any = None,
+    worker_name: Any = None,
 ) -> dict:
+    """The environment of a process a Dask task starts beside its worker (a
+    Process child, a pool slot process): the worker's import path, the same
+    scheduler for nested objects, the worker's TLS settings, and which worker
+    hosts it (``FIBER_DASK_WORKER_ADDRESS``, ``FIBER_DASK_WORKER_NAME``: such a
+    process has no ``distributed.get_worker()`` of its own)."""
     env = dict(os.environ)
     env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
     # The worker's import path (a spawned worker has its parent's, the script's
@@ -149,6 +157,9 @@ def child_env(
         from distributed.comm import get_address_host
 
         env["DASK_FIBER__LISTEN_HOST"] = get_address_host(worker_address)
+        env["FIBER_DASK_WORKER_ADDRESS"] = worker_address
+    if worker_name is not None:
+        env["FIBER_DASK_WORKER_NAME"] = str(worker_name)
     env.update(_security_env(security))
     return env
 

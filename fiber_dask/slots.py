@@ -370,7 +370,10 @@ def keep(
     except AttributeError:
         scheduler_address = None
     env = child_env(
-        worker_address, scheduler_address, getattr(worker, "security", None)
+        worker_address,
+        scheduler_address,
+        getattr(worker, "security", None),
+        getattr(worker, "name", None),
     )
     env.pop("FIBER_DASK_LAUNCHER_PID", None)
     spec = SlotSpec(

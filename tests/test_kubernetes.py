@@ -971,9 +971,9 @@ def test_scheduler_preload_offers_only_default_group_workers(monkeypatch) -> Non
 
 
 def _worker_name(_: Any) -> str:
-    from distributed import get_worker
-
-    return get_worker().name
+    # A pool task runs in a slot process beside its Dask worker, which names
+    # the worker in its environment (get_worker() exists only in the worker).
+    return os.environ["FIBER_DASK_WORKER_NAME"]
 
 
 def _slow_square(x: int) -> int:

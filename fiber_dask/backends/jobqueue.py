@@ -613,10 +613,12 @@ class JobQueueBackend(Backend):
 class _JobQueueHandle(ClusterHandle):
     """Closes the cluster within a deadline: that cancels its jobs."""
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         try:
-            self.client.close()
+            self.client.close(**({} if timeout is None else {"timeout": timeout}))
         finally:
+            # Cancelling the jobs gets its own deadline, at least 10 s: jobs
+            # left queued or running would hold the allocation.
             self.cluster.close(timeout=max(10.0, config.timedelta("connect-timeout")))
 
 

@@ -158,15 +158,17 @@ class KubernetesBackend(Backend):
 class _KubeHandle(ClusterHandle):
     """Closes the KubeCluster object too: it deletes the cluster only if owned."""
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         try:
             if self.owned or getattr(self.client, "_fiber_created", False):
-                self.client.close()
+                self.client.close(**({} if timeout is None else {"timeout": timeout}))
         finally:
             if self.cluster is not None:
-                # shutdown_on_close is True only for a cluster we created.  Waiting
-                # for the deletion is bounded: without the operator (which removes
-                # its finalizer) it would not finish.
+                # shutdown_on_close is True only for a cluster we created.  Its
+                # deletion gets fiber.kubernetes.resource-timeout, not the
+                # shorter close timeout: a cluster left behind costs money.  Still
+                # bounded: without the operator (which removes its finalizer) it
+                # would not finish.
                 self.cluster.close(timeout=_seconds("kubernetes.resource-timeout"))
 
 

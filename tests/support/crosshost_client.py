@@ -134,13 +134,14 @@ def child_serving(q, conn):
             q.put(("served", item, host_ip()))
 
 
-def pool_task_queue(_):
-    """A Queue created inside a Dask worker process (a Pool task), kept alive
-    there by the worker object."""
-    from distributed import get_worker
+_KEEP: list = []  # what a pool task keeps alive in its slot process
 
+
+def pool_task_queue(_):
+    """A Queue created inside a Pool task on a worker host (in its slot
+    process), kept alive there while the pool is open."""
     qq = multiprocessing.Queue()
-    get_worker()._fiber_crosshost_keep = qq
+    _KEEP.append(qq)
     qq.put("from-pool-task")
     return qq, host_ip()
 
