@@ -703,3 +703,19 @@ def test_without_dask_jobqueue_the_error_says_how_to_install_it(monkeypatch) -> 
     monkeypatch.setitem(sys.modules, "dask_jobqueue", None)  # import fails
     with pytest.raises(ImportError, match=r'pip install "fiber-dask\[jobqueue\]"'):
         jobqueue.make_cluster("slurm")
+
+
+def test_using_a_batch_backend_keeps_the_programs_ctrl_c() -> None:
+    """dask-jobqueue replaces SIGINT's handler with sys.exit when imported; a
+    program that uses these backends must still get KeyboardInterrupt."""
+    code = (
+        "import signal\n"
+        "from fiber_dask.backends import jobqueue\n"
+        "jobqueue.make_cluster('pbs', cores=1, memory='1GB')\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+        "signal.getsignal(signal.SIGINT)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr

@@ -355,9 +355,33 @@ class _ReplacesEndedJobs:
 _classes: dict[str, type] = {}
 
 
+def _import_dask_jobqueue() -> Any:
+    """``import dask_jobqueue`` without its side effect on this process.
+
+    Its ``runner`` module (imported by the package) replaces the process's
+    SIGINT handler with ``sys.exit`` at import time, so Ctrl-C in the user's
+    program would no longer raise ``KeyboardInterrupt``; the handler the
+    program had is put back.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        import dask_jobqueue  # signal.signal would fail there anyway
+
+        return dask_jobqueue
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        import dask_jobqueue
+    finally:
+        if signal.getsignal(signal.SIGINT) is not before and before is not None:
+            signal.signal(signal.SIGINT, before)
+    return dask_jobqueue
+
+
 def _cluster_class(name: str) -> type:
     if name not in _classes:
-        import dask_jobqueue
+        dask_jobqueue = _import_dask_jobqueue()
 
         base = getattr(dask_jobqueue, SCHEDULERS[name].cluster_class)
         _classes[name] = type(
@@ -667,7 +691,7 @@ def list_jobs(name: str, cluster: Any) -> list[dict[str, Any]]:
 
 def _require_dask_jobqueue() -> None:
     try:
-        import dask_jobqueue  # noqa: F401
+        _import_dask_jobqueue()
     except ImportError as e:
         raise ImportError(
             "the slurm, pbs, sge, lsf and htcondor backends need dask-jobqueue, "
