@@ -115,8 +115,7 @@ def test_a_pool_never_forgets_a_function(fiber_ctx):
 
 
 def test_function_cache_with_maxtasksperchild(fiber_ctx):
-    with pytest.warns(RuntimeWarning, match="maxtasksperchild"):
-        pool = fiber_ctx.Pool(2, maxtasksperchild=700)
+    pool = fiber_ctx.Pool(2, maxtasksperchild=700)
     with pool:
         # 2000 chunks per kind: each loop sees more than 512 functions, then
         # is replaced by a fresh one, whose record must start empty.
@@ -259,12 +258,26 @@ def test_join_after_terminate_waits_for_the_tasks_to_stop(client, tmp_path):
     pool = fiber_dask.Pool(1, client=client)
     res = pool.apply_async(spin_then_linger, (d,))
     wait_for_file(os.path.join(d, "started"), timeout=60)
+    with open(os.path.join(d, "started")) as f:
+        pid = int(f.read())
     pool.terminate()
     pool.join()
-    # The task was interrupted and its loop hung up only after it ended.
-    assert os.path.exists(os.path.join(d, "ended"))
+    # join() returned only once the task had really stopped: its slot process
+    # (interrupted, then ended after the grace period, as the stdlib's
+    # terminate() ends its workers) is gone, not still lingering in the task.
+    assert not _running(pid), f"the task's process {pid} still runs after join()"
+    assert not os.path.exists(os.path.join(d, "ended"))
     with pytest.raises(fiber_dask.PoolTerminatedError):
         res.get(timeout=5)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ------------------------------------------------------------- 11 (7) extras

@@ -547,8 +547,9 @@ def _exit_with_mode():
 def test_pool_and_process_on_a_tls_cluster_speak_tls_with_its_workers():
     """A Pool and a Process given a client of a TLS cluster (certificates in a
     Security object, nothing in the config): their endpoint serves TLS; the
-    loops and the launcher in the workers decide from their worker's
-    security, the Process's child from what its launcher passed on."""
+    launcher in the worker decides from its worker's security, the pool's slot
+    processes and the Process's child from what their keeper or launcher
+    passed on."""
     from distributed import Client, LocalCluster
 
     import fiber_dask
@@ -571,7 +572,9 @@ def test_pool_and_process_on_a_tls_cluster_speak_tls_with_its_workers():
             results = pool.map(_square_and_mode, range(20))
         assert [r[0] for r in results] == [x * x for x in range(20)]
         assert all(r[1] for r in results)
-        assert "worker" in results[0][2]
+        # The tasks run in slot processes, which take their worker's security
+        # from the configuration their keeper passed on (as a Process child).
+        assert "distributed.comm.require-encryption" in results[0][2], results[0]
         p = fiber_dask.Process(target=_exit_with_mode, client=client)
         p.start()
         p.join(60)
