@@ -227,6 +227,24 @@ def test_an_item_that_kills_every_process_is_named(client):
     assert "fiber.pool.allowed-failures=1" in message
 
 
+def test_workers_dying_under_the_pool_is_told_apart_from_a_bad_item(client):
+    """Three tasks that each kill every process they run in, one slot,
+    allowed-failures=3: the first two fail as bad items (4 losses each); the
+    third is still running when the pool has seen more than max(10, 2 x 4 x 1)
+    losses with no chunk finishing: the error says workers keep dying."""
+    with dask.config.set({"fiber.pool.allowed-failures": 3}):
+        with fiber_dask.Pool(1, client=client) as pool:
+            results = [pool.apply_async(kill_self_on_7, (7,)) for _ in range(3)]
+            errors = []
+            for r in results:
+                with pytest.raises(WorkerLostError) as info:
+                    r.get(timeout=120)
+                errors.append(str(info.value))
+    assert all("killed every process it ran in" in e for e in errors[:2]), errors
+    assert "workers kept dying under the pool: 11 losses in" in errors[2], errors
+    assert "= 10)" in errors[2], errors
+
+
 # --------------------------------------------- 11.7 exceptions, terminate
 
 
