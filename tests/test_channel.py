@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import re
 import socket
 import struct
 import threading
@@ -236,7 +237,12 @@ def test_rejections_are_logged_once_per_address_and_interval(monkeypatch, caplog
         ]
         assert len(lines) == 2, lines
         assert "rejected a connection from 127.0.0.1" in lines[0]
-        assert "rejected 19 more connection(s) from 127.0.0.1" in lines[1]
+        # 19 of ours at least: an earlier test's dropped peers on the same
+        # address may fall into the same interval.
+        more = re.search(
+            r"rejected (\d+) more connection\(s\) from 127.0.0.1", lines[1]
+        )
+        assert more and int(more.group(1)) >= 19, lines
     finally:
         s.close()
         g._log._windows.clear()

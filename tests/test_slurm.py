@@ -38,14 +38,19 @@ from typing import Any
 import dask
 import pytest
 import yaml
-
-pytest.importorskip("dask_jobqueue")
-
 from support import slurm as slurm_support  # noqa: E402
 from support.wait import wait_for_file, wait_until  # noqa: E402
 
 from fiber_dask import config  # noqa: E402
 from fiber_dask.backends import jobqueue  # noqa: E402
+
+# Not pytest.importorskip: a plain import of dask_jobqueue replaces this
+# process's SIGINT handler (its runner module does, at import), which would
+# break every later test that relies on KeyboardInterrupt.
+try:
+    jobqueue._import_dask_jobqueue()
+except ImportError as e:
+    pytest.skip(f"dask-jobqueue is not installed: {e}", allow_module_level=True)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
