@@ -40,8 +40,10 @@ import pickle
 import threading
 import time
 import weakref
-from multiprocessing import AuthenticationError, BufferTooShort
-from multiprocessing.connection import (
+
+# The stdlib's socket-based half of the module, re-exported (see the docstring).
+from multiprocessing import AuthenticationError, BufferTooShort  # noqa: F401
+from multiprocessing.connection import (  # noqa: F401
     BUFSIZE,
     CHALLENGE,
     CONNECTION_TIMEOUT,
@@ -80,31 +82,6 @@ from .objserver import (
 from .tls import message_view, receive_into
 
 __all__ = ["Client", "Connection", "Listener", "Pipe", "wait"]
-
-# The stdlib's socket-based half of the module, re-exported (see the docstring).
-_STDLIB_NAMES = (
-    AuthenticationError,
-    BufferTooShort,
-    BUFSIZE,
-    CHALLENGE,
-    CONNECTION_TIMEOUT,
-    FAILURE,
-    MESSAGE_LENGTH,
-    WELCOME,
-    ConnectionWrapper,
-    SocketClient,
-    SocketListener,
-    XmlClient,
-    XmlListener,
-    address_type,
-    answer_challenge,
-    arbitrary_address,
-    default_family,
-    deliver_challenge,
-    families,
-    rebuild_connection,
-    reduce_connection,
-)
 
 
 class _Readiness:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
-from multiprocessing import (
+
+# The stdlib module's names, re-exported.
+from multiprocessing import (  # noqa: F401
     AuthenticationError,
     BufferTooShort,
     ProcessError,
     TimeoutError,  # noqa: A004 - the stdlib's name
 )
-from multiprocessing.context import (
+from multiprocessing.context import (  # noqa: F401
     assert_spawning,
     get_spawning_popen,
     set_spawning_popen,
@@ -281,15 +283,6 @@ _METHODS = ("spawn", "dask", "fork", "forkserver")
 BaseContext = DefaultContext = SpawnContext = DaskContext
 ForkContext = ForkServerContext = DaskContext
 SpawnProcess = ForkProcess = ForkServerProcess = Process
-_STDLIB_NAMES = (
-    AuthenticationError,
-    BufferTooShort,
-    ProcessError,
-    TimeoutError,
-    assert_spawning,
-    get_spawning_popen,
-    set_spawning_popen,
-)
 
 
 def _check_method(method: str | None) -> None:
