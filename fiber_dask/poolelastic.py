@@ -67,6 +67,9 @@ ADAPTIVE_DEFAULT = 30.0
 #: short idle-timeout), so that a pool of 1000 slots does not scan them on
 #: every message its result thread handles.
 _SCAN_EVERY = 0.25
+#: Seconds between two looks at where waiting loops were placed (two scheduler
+#: calls; only while some loop has not connected yet).
+_PLACE_EVERY = 1.0
 
 
 def idle_timeout(handle: Any = None) -> float | None:
@@ -109,8 +112,12 @@ class Elastic:
         #: Slots given back and loops asked for again, since the pool started.
         self.given_back = 0
         self.requested = 0
+        #: Loops moved off a worker where they waited behind the pool's own
+        #: loops (see :meth:`_place`).
+        self.moved = 0
         self._scan = min(_SCAN_EVERY, max(timeout / 4, 0.01))
         self._next_scan = 0.0
+        self._next_place = 0.0
 
     @classmethod
     def for_engine(cls, engine: Any) -> Elastic | None:
@@ -138,7 +145,15 @@ class Elastic:
 
     def tick(self) -> None:
         """One turn of the result thread: ask for slots if work waits for
-        them, give back slots idle for :attr:`timeout`."""
+        them, give back slots idle for :attr:`timeout`, move loops that wait
+        behind the pool's own loops to workers with a free thread."""
+        self._tick()
+        now = time.monotonic()
+        if now >= self._next_place:
+            self._next_place = now + _PLACE_EVERY
+            self._place()
+
+    def _tick(self) -> None:
         e = self.engine
         with e._lock:
             if e.state not in ("RUN", "CLOSE") or e._stop_sent is not None:
@@ -205,6 +220,72 @@ class Elastic:
         logger.info(
             "fiber-dask: the pool has queued work; asking for %d slot(s) again", want
         )
+
+    def _place(self) -> None:
+        """Move loops that wait on a worker all of whose threads run this
+        pool's own live loops, to workers that have a free thread.
+
+        Dask places a loop at once on the least busy worker, also one whose
+        threads are all taken (a loop is not a "root-ish" task that the
+        scheduler would queue), and work stealing does not move it when a
+        worker joins: the loop running there looks nearly done to the
+        scheduler (it has run longer than the average loop), so stealing
+        sees too little to gain.  On an adaptive cluster that is the normal
+        case (slots asked for again while only the minimum of workers runs):
+        the new workers would join and idle.  Only a loop that surely waits
+        is moved (its worker's threads are all held by connected loops of
+        this pool), so it never held a chunk; it is released and a new loop
+        is submitted at its slot position, which the scheduler places on the
+        least busy worker.
+        """
+        e = self.engine
+        with e._lock:
+            if e.state not in ("RUN", "CLOSE") or e._stop_sent is not None:
+                return
+            waiting = {
+                fut.key: n
+                for n, fut in e._loops.items()
+                if n not in e._connected and fut.status == "pending"
+            }
+            if not waiting:
+                return
+            live: dict[str, int] = {}
+            for peer in e._peers.values():
+                if not peer.retiring and peer.worker:
+                    live[peer.worker] = live.get(peer.worker, 0) + 1
+        client = e._client
+        try:
+            processing = client.sync(client.scheduler.processing, callback_timeout=2)
+            nthreads = client.sync(client.scheduler.ncores, callback_timeout=2)
+        except Exception:  # noqa: BLE001 - a slow or lost scheduler: next time
+            return
+        free = sum(
+            max(0, nthreads.get(w, 0) - len(keys)) for w, keys in processing.items()
+        )
+        if not free:
+            return
+        stuck = []
+        for w, keys in processing.items():
+            threads = nthreads.get(w, 0)
+            if len(keys) > threads and live.get(w, 0) >= threads:
+                stuck.extend(waiting[k] for k in keys if k in waiting)
+        with e._lock:
+            if e.state not in ("RUN", "CLOSE") or e._stop_sent is not None:
+                return
+            for n in stuck[:free]:
+                if n in e._connected or n not in e._loops:
+                    continue
+                fut = e._loops.pop(n)
+                position = e._position.pop(n)
+                fut.release()
+                e._submit_loop(position)
+                self.moved += 1
+        if stuck:
+            logger.info(
+                "fiber-dask: %d pool loop(s) waited behind the pool's own loops; "
+                "moved to workers with a free thread",
+                min(len(stuck), free),
+            )
 
     def _demand(self, cap: int) -> int:
         """Chunks waiting for a loop (at least 1; ``cap`` once it is known to be

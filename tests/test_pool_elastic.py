@@ -310,3 +310,151 @@ def test_local_adaptive_workers_go_while_the_pool_is_idle(tmp_path) -> None:
     assert counts == {x: 2 for x in range(40)}, counts
     assert r["loop_failures"] == 0, r
     assert "died" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ------------------------------------------- emulated Kubernetes, real operator
+
+
+def _slow_square(x: int) -> int:
+    time.sleep(0.2)
+    return x * x
+
+
+def _worker_name(_: object) -> str:
+    time.sleep(0.05)
+    return os.environ["FIBER_DASK_WORKER_NAME"]
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory):
+    """The emulated API, the real operator, a pretend kubelet (as in
+    test_kubernetes.py's ``nodes``)."""
+    pytest.importorskip("dask_kubernetes")
+    pytest.importorskip("kmock", reason="kmock (Python >= 3.11) emulates the API")
+    import pathlib
+
+    import helpers_kubernetes as hk
+    import kr8s
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(repo), str(repo / "tests"), env.get("PYTHONPATH", "")]
+    )
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        hk.kube_api(tmp_path_factory.mktemp("kube")) as api,
+        hk.cluster_dns(),
+    ):
+        mp.setenv("KUBECONFIG", api.kubeconfig)
+        kr8s.Api._instances.clear()
+        kr8s.asyncio.Api._instances.clear()
+        try:
+            with hk.running_operator(), hk.Kubelet(api, env) as kubelet:
+                yield api, kubelet
+                assert not kubelet.errors, kubelet.errors
+        finally:
+            kr8s.Api._instances.clear()
+            kr8s.asyncio.Api._instances.clear()
+
+
+class _NoCooldown:
+    """Lift the operator's 15 s cool-down after each scaling step (it would
+    make this test wait 15 s per step; the decisions themselves are the
+    operator's and the scheduler's), by resetting the annotation it keeps the
+    cool-down in, from a thread."""
+
+    def __init__(self, name: str, kubeconfig: str) -> None:
+        import threading
+
+        self.name, self.kubeconfig = name, kubeconfig
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import kr8s
+        from dask_kubernetes.operator.controller.controller import (
+            DASK_AUTOSCALER_COOLDOWN_UNTIL_ANNOTATION as COOLDOWN,
+        )
+        from kr8s.objects import new_class
+
+        api = kr8s.api(kubeconfig=self.kubeconfig)
+        cls = new_class("DaskAutoscaler", "kubernetes.dask.org/v1", namespaced=True)
+        while not self.stop.wait(0.3):
+            try:
+                obj = cls.get(self.name, namespace="default", api=api)
+                if float(obj.annotations.get(COOLDOWN, 0)) > time.time():
+                    obj.annotate({COOLDOWN: "0"})
+            except Exception:  # noqa: BLE001 - not created yet, or gone
+                pass
+
+    def __enter__(self) -> _NoCooldown:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
+    """fiber.adaptive on emulated Kubernetes: the operator's autoscaler grows
+    the default group for an open pool's work, retires a worker while that
+    pool is open and idle (its slots given back), and grows it again when work
+    is queued on the same pool, which then runs on the new worker."""
+    api, kubelet = kube
+    name = "fiber-elastic"
+    prefix = f"{name}-default-worker-"
+
+    def workers() -> int:
+        return len([d for d in api.names("deployments") if d.startswith(prefix)])
+
+    cfg = {
+        "fiber.backend": "kubernetes",
+        "fiber.kubernetes.name": name,
+        "fiber.kubernetes.image": "local/fiber-dask:test",
+        "fiber.kubernetes.scheduler-service-type": "LoadBalancer",
+        "fiber.kubernetes.resource-timeout": "60s",
+        "fiber.adaptive.enabled": True,
+        "fiber.adaptive.minimum": 1,
+        "fiber.adaptive.maximum": 2,
+        "fiber.adaptive.target-duration": "1s",
+        "fiber.pool.idle-timeout": "1s",
+    }
+    with dask.config.set(cfg), _NoCooldown(name, api.kubeconfig):
+        try:
+            fiber_dask.init()
+            wait_until(lambda: workers() == 1, 60, "the minimum of one worker")
+            with fiber_dask.Pool() as pool:
+                assert pool._processes == 2
+                busy = pool.map_async(_slow_square, range(40), chunksize=1)
+                wait_until(lambda: workers() == 2, 60, "the autoscaler to add a worker")
+                assert busy.get(timeout=60) == [x * x for x in range(40)]
+                # open and idle: the slots are given back, a worker retired
+                wait_until(
+                    lambda: workers() == 1, 60, "a worker retired under the idle pool"
+                )
+                assert pool._state == "RUN"
+                assert pool._engine._elastic.given_back >= 2
+                # queued work: slots asked for again, the group grows, and the
+                # new worker takes a slot
+                # queued work: slots asked for again, the group grows, and the
+                # new worker takes a slot once it has joined (however long a
+                # loaded machine takes to start it; bounded)
+                names: set[str] = set()
+                t0 = time.monotonic()
+                while len(names) < 2 and time.monotonic() - t0 < 60:
+                    names |= set(pool.map(_worker_name, range(40), chunksize=1))
+                    if len(names) < 2:
+                        assert workers() == 2 or time.monotonic() - t0 < 30
+                e = pool._engine._elastic
+                print("elastic:", e.given_back, e.requested, e.moved, names)
+                assert len(names) == 2, names
+                assert pool._engine._loop_failures == 0
+        finally:
+            fiber_dask.shutdown()
+    wait_until(
+        lambda: name not in api.names("daskclusters"), 30, "the cluster to be deleted"
+    )
