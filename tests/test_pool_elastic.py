@@ -249,6 +249,7 @@ PROBE = textwrap.dedent(
         out["second_pids"] = sorted({p for _, p in second})
         out["workers_after_second"] = workers()
         out["requested"] = pool._engine._elastic.requested
+        out["moved"] = pool._engine._elastic.moved
         out["loop_failures"] = pool._engine._loop_failures
         pool.close()
         pool.join()
