@@ -39,6 +39,15 @@ slots if none are left; ``terminate()`` releases the loops still waiting to
 start.  A pool with zero slots and queued work asks for slots at once; it never
 waits for a slot that is not coming.
 
+Using the workers that join needs one more step: Dask places a loop at once on
+the least busy worker even when all its threads are taken, and work stealing
+does not move it to a worker that joins later (:meth:`Elastic._place` says
+why), so loops asked for while only the minimum of workers runs would wait
+there while the new workers idle.  While some loop has not connected, the
+policy looks once a second (two scheduler calls) for loops that surely wait
+behind this pool's own loops and resubmits them, which puts them on a worker
+with a free thread.
+
 The engine calls :meth:`Elastic.tick` on every turn of its result thread,
 :meth:`Elastic.loop_ended` before it would replace an ended loop, and
 :meth:`Elastic.wanted` when a chunk found no loop with room.  All three run
