@@ -235,13 +235,15 @@ class Elastic:
         pool's own live loops, to workers that have a free thread.
 
         Dask places a loop at once on the least busy worker, also one whose
-        threads are all taken (a loop is not a "root-ish" task that the
-        scheduler would queue), and work stealing does not move it when a
-        worker joins: the loop running there looks nearly done to the
-        scheduler (it has run longer than the average loop), so stealing
-        sees too little to gain.  On an adaptive cluster that is the normal
-        case (slots asked for again while only the minimum of workers runs):
-        the new workers would join and idle.  Only a loop that surely waits
+        threads are all taken (a pool's few loops are not "root-ish" tasks,
+        which the scheduler would keep queued), and work stealing moves a
+        waiting task only when the victim's estimated work exceeds the
+        thief's by one and a half times that task's estimate
+        (``distributed.stealing.WorkStealing.balance``), which a worker with
+        one running and one waiting loop does not reach.  On an adaptive
+        cluster that is the normal case (slots asked for again while only the
+        minimum of workers runs): on emulated Kubernetes the new worker
+        joined and idled while both loops sat on the old one.  Only a loop that surely waits
         is moved (its worker's threads are all held by connected loops of
         this pool), so it never held a chunk; it is released and a new loop
         is submitted at its slot position, which the scheduler places on the
