@@ -402,6 +402,21 @@ class SlotClaim:
                 _slots_in_use[key] = max(0, _slots_in_use.get(key, 0) - self.n)
                 _live_claims.discard(self)
 
+    def resize(self, n: int) -> None:
+        """Hold ``n`` slots from now on: an elastic pool gave some back, or asks
+        for them again (:mod:`fiber_dask.poolelastic`); a cluster fiber-dask
+        manages grows if the slots in use no longer fit (never shrinks: that is
+        adaptive scaling's call).  No effect once released."""
+        n = max(0, n)
+        with _slots_lock:
+            if not self._held:
+                return
+            key = id(self.handle)
+            _slots_in_use[key] = needed = max(0, _slots_in_use.get(key, 0) + n - self.n)
+            grew, self.n = n > self.n, n
+        if grew:
+            ensure_slots(self.handle, needed)
+
 
 def claim_slots(handle: ClusterHandle, n: int) -> SlotClaim:
     """Count ``n`` more slots in use on ``handle``'s cluster and make sure a

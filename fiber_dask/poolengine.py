@@ -45,6 +45,7 @@ import cloudpickle
 from . import channel, cluster, config, security
 from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from .poolelastic import Elastic
 from .poolresults import MapResult
 from .poolworker import run_pool_worker
 
@@ -123,6 +124,7 @@ class _Peer:
         "retiring",
         "broken",
         "filed",
+        "last_active",
     )
 
     def __init__(self, conn, hello):
@@ -135,6 +137,8 @@ class _Peer:
         self.retiring = False
         self.broken = False
         self.filed: int | None = None  # its key in PoolEngine._load_index, if any
+        #: When it connected or last sent a result (poolelastic: idle since).
+        self.last_active = time.monotonic()
 
 
 class PoolSlot:
@@ -258,6 +262,8 @@ class PoolEngine:
         self._released = False
         self._claim: cluster.SlotClaim | None = None
         self._thread: threading.Thread | None = None
+        #: Gives idle slots back and asks for them again (fiber.pool.idle-timeout).
+        self._elastic = Elastic.for_engine(self)
 
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
@@ -402,6 +408,8 @@ class PoolEngine:
                         break
                 if best is None:
                     self._retry.appendleft(chunk)  # first in line next time
+                    if self._elastic is not None:
+                        self._elastic.wanted()  # slots given back: ask again
                     return
                 self._send_chunk(best, chunk)
 
@@ -621,6 +629,7 @@ class PoolEngine:
         if isinstance(msg, proto.Result):
             with self._lock:
                 chunk = peer.inflight.pop(msg.ckey, None)
+                peer.last_active = time.monotonic()
                 if chunk is not None:
                     self._learn(chunk, msg.seconds)
                     self._losses.clear()  # the pool makes progress
@@ -776,6 +785,8 @@ class PoolEngine:
             self._recycled.discard(n)
             if fut is None or position is None:
                 continue
+            if self._elastic is not None and self._elastic.loop_ended(n):
+                continue  # given back while idle: not a loss, not replaced
             if self.state == TERMINATE or self._stop_sent is not None or self.broken:
                 continue
             if self._client.status != "running":
@@ -803,6 +814,8 @@ class PoolEngine:
                 self._submit_loop(position)
             except Exception as e:
                 self._break(self._lost_scheduler(e))
+        if self._elastic is not None:
+            self._elastic.tick()
         if self._peers or not self._cache:
             self._no_peers_since = time.monotonic()
             self._warned_waiting = False
