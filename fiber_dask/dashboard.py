@@ -35,7 +35,14 @@ from tornado import web
 
 from . import poolstats
 
-__all__ = ["PoolDashboard", "dask_setup", "PAGE", "JSON_PATH", "preload_modules"]
+__all__ = [
+    "PoolDashboard",
+    "dask_setup",
+    "preload_modules",
+    "summary",
+    "PAGE",
+    "JSON_PATH",
+]
 
 logger = logging.getLogger("fiber_dask.dashboard")
 
@@ -302,17 +309,27 @@ def _bars_height(n: int) -> int:
     return 80 + 22 * max(1, n)
 
 
-def _header(document: dict[str, Any]) -> str:
-    n = len(document["pools"])
-    if n:
-        names = ", ".join(
-            html.escape(f"{p['name']} ({p['id']})") for p in document["pools"]
-        )
-        what = f"{n} live pool{'s' * (n != 1)}: {names}"
-    else:
-        what = "no live pool reports to this scheduler"
+def summary(pool: dict[str, Any]) -> str:
+    """One line of a pool's numbers, as the page and ``fiber-dask info`` say it."""
     return (
-        f"<h2>fiber-dask pools</h2><p>{what}. Updated every "
-        f"{document['interval']:g} s; the same numbers as "
-        f"<code>{JSON_PATH}</code> and <code>fiber-dask info</code>.</p>"
+        f"{pool['name']} ({pool['id']}), {pool['program']} pid {pool['pid']} on "
+        f"{pool['host']}, {pool['state']}: {pool['processes']} slots, "
+        f"{pool['done']} done, {pool['in_flight']} in flight, {pool['queued']} "
+        f"queued, {pool['failed']} failed, {pool['reruns']} re-runs, "
+        f"{pool['rate']:g} items/s, busy {pool['busy']:.0%}"
+    )
+
+
+def _header(document: dict[str, Any]) -> str:
+    pools = document["pools"]
+    if pools:
+        n = len(pools)
+        what = f"{n} live pool{'s' * (n != 1)}"
+        items = "".join(f"<li>{html.escape(summary(p))}</li>" for p in pools)
+    else:
+        what, items = "No live pool reports to this scheduler", ""
+    return (
+        f"<h2>fiber-dask pools</h2><p>{what}, updated every "
+        f"{document['interval']:g} s (the numbers of <code>{JSON_PATH}</code> and "
+        f"<code>fiber-dask info</code>).</p>" + (f"<ul>{items}</ul>" if items else "")
     )

@@ -299,13 +299,18 @@ class _History:
         return report
 
 
+def _program() -> str:
+    """What the owner runs, as ``ps`` would name it: the script, or the
+    package of ``python -m package``."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    name = os.path.basename(argv0)
+    if name == "__main__.py":
+        return os.path.basename(os.path.dirname(argv0)) or name
+    return name or "python"
+
+
 def _owner() -> dict[str, Any]:
-    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "program": os.path.basename(argv0) or argv0,
-    }
+    return {"host": socket.gethostname(), "pid": os.getpid(), "program": _program()}
 
 
 class _Reporter:

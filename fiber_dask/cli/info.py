@@ -182,16 +182,12 @@ def _pool_lines(pools: list[dict[str, Any]] | None) -> tuple[str, list[str]]:
         )
     if not pools:
         return "none running", []
+    from fiber_dask.dashboard import summary
+
     lines = []
     for p in pools:
         slots = ", ".join(f"{s['name']} {s['busy']:.0%}" for s in p["slots"])
-        lines.append(
-            f"  {p['name']} ({p['id']}) {p['program']} pid {p['pid']} on "
-            f"{p['host']}, {p['state']}: {p['processes']} slots, done {p['done']}, "
-            f"in flight {p['in_flight']}, queued {p['queued']}, failed "
-            f"{p['failed']}, re-runs {p['reruns']}, {p['rate']:g} items/s, busy "
-            f"{p['busy']:.0%} ({slots})"
-        )
+        lines.append(f"  {summary(p)} ({slots})")
     return f"{len(pools)} live", lines
 
 
