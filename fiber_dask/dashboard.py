@@ -195,6 +195,9 @@ _COLUMNS = [
     ("busy", "Busy"),
 ]
 
+#: Relative column widths (the table fills the page's width).
+_WIDTHS = {"name": 70, "id": 100, "owner": 260, "state": 60}
+
 
 def _rows(doc: dict[str, Any]) -> tuple[dict[str, list], dict[str, list]]:
     """Table columns for the pools, and bar data for their slots."""
@@ -241,9 +244,12 @@ def _page(store: poolstats.PoolStore) -> Any:
         table = DataTable(
             source=table_source,
             columns=[
-                TableColumn(field=k, title=t, formatter=formats[k])
-                if k in formats
-                else TableColumn(field=k, title=t)
+                TableColumn(
+                    field=k,
+                    title=t,
+                    width=_WIDTHS.get(k, 60),
+                    **({"formatter": formats[k]} if k in formats else {}),
+                )
                 for k, t in _COLUMNS
             ],
             index_position=None,
