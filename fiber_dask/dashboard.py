@@ -19,7 +19,7 @@ How it gets there:
 * the embedded cluster and ``fiber-dask up`` preload it into their scheduler;
 * an existing scheduler: ``dask scheduler --preload fiber_dask.dashboard`` (or
   ``DASK_DISTRIBUTED__SCHEDULER__PRELOAD=fiber_dask.dashboard``), or from any
-  client ``client.register_plugin(fiber_dask.dashboard.PoolDashboard())``
+  client ``client.register_plugin(PoolDashboard())``
   (fiber-dask must be installed where the scheduler runs).  Without it the
   pools still run; they are just not reported, and ``fiber-dask info`` says so.
 """
@@ -59,7 +59,8 @@ class PoolDashboard(SchedulerPlugin):
     --------
     On a scheduler started without the preload::
 
-        >>> client.register_plugin(fiber_dask.dashboard.PoolDashboard())  # doctest: +SKIP
+        >>> from fiber_dask.dashboard import PoolDashboard
+        >>> client.register_plugin(PoolDashboard())  # doctest: +SKIP
     """
 
     name = "fiber-dask-pools"
