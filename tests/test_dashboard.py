@@ -417,3 +417,69 @@ def test_readme_map_async_progress_example_runs(tmp_path):
     assert result.stdout.strip() == str(sum(x * x for x in range(10_000)))
     # tqdm's bar (on stderr) reached the total.
     assert re.search(r"100%\|.*\| 10000/10000", result.stderr), result.stderr
+
+
+@pytest.mark.slow
+def test_info_lists_the_pools_of_programs_on_fiber_dask_up(tmp_path):
+    env = _env(
+        DASK_FIBER__UP__STATE_DIR=str(tmp_path / "state"),
+        DASK_FIBER__LOCAL__N_WORKERS="2",
+    )
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    program = tmp_path / "short.py"
+    program.write_text(
+        textwrap.dedent(
+            f"""
+            import os, time
+            import fiber_dask
+
+            if __name__ == "__main__":
+                with fiber_dask.Pool(2) as pool:
+                    pool.map(abs, range(10))
+                    open({str(ready)!r}, "w").write(str(os.getpid()))
+                    deadline = time.monotonic() + 100
+                    while not os.path.exists({str(release)!r}):
+                        assert time.monotonic() < deadline
+                        time.sleep(0.05)
+            """
+        )
+    )
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(FIBER_DASK), *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+
+    up = command("up")
+    assert up.returncode == 0, up.stderr
+    owner = None
+    try:
+        owner = subprocess.Popen(
+            [sys.executable, str(program)], env=env, stdin=subprocess.DEVNULL
+        )
+        wait_for_file(str(ready), 60)
+
+        def listed():
+            out = command("info").stdout
+            return [x for x in out.splitlines() if f"pid {owner.pid} " in x] and out
+
+        out = wait_until(listed, 60, "`fiber-dask info` to list the program's pool")
+        assert "the cluster of `fiber-dask up`; left running" in out
+        (line,) = [x for x in out.splitlines() if f"pid {owner.pid} " in x]
+        assert (
+            "short.py" in line and ": 2 slots, 10 done, 0 in flight, 0 queued" in line
+        )
+        assert "pools page: http://127.0.0.1:" in out
+        release.touch()
+        assert owner.wait(60) == 0
+    finally:
+        if owner is not None and owner.poll() is None:
+            owner.kill()
+            owner.wait(30)
+        down = command("down")
+        assert down.returncode == 0, down.stderr

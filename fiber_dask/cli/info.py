@@ -171,7 +171,9 @@ def _pool_document(client: Any) -> dict[str, Any] | None:
         raise CLIError(f"cannot read the pools from the scheduler: {e}") from None
 
 
-def _pool_lines(pools: list[dict[str, Any]] | None) -> tuple[str, list[str]]:
+def _pool_lines(
+    pools: list[dict[str, Any]] | None, owned: bool = False
+) -> tuple[str, list[str]]:
     """The ``pools:`` row and one indented line per pool."""
     if pools is None:
         return (
@@ -181,6 +183,14 @@ def _pool_lines(pools: list[dict[str, Any]] | None) -> tuple[str, list[str]]:
             [],
         )
     if not pools:
+        if owned:
+            # Started for this command: no other program uses it.
+            return (
+                "none running (on this cluster, started for this command; a "
+                "program's pools are on the cluster it uses: `fiber-dask up` "
+                "starts one that programs share and this command lists)",
+                [],
+            )
         return "none running", []
     from fiber_dask.dashboard import summary
 
@@ -223,7 +233,7 @@ def _print(data: dict[str, Any]) -> None:
             for j in jobs
         )
         rows.append(("jobs", f"{len(jobs)}" + (f": {listed}" if jobs else "")))
-    pools_row, pool_lines = _pool_lines(data["pools"])
+    pools_row, pool_lines = _pool_lines(data["pools"], data["owned"])
     rows.append(("pools", pools_row))
     dashboard = data["dashboard"] or "not served"
     if data["dashboard"] and data["owned"] and not data.get("kept"):
