@@ -71,6 +71,12 @@ class PoolDashboard(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         from tornado.ioloop import PeriodicCallback
 
+        existing = scheduler.extensions.get("fiber-pools")
+        if isinstance(existing, poolstats.PoolStore):
+            # Registered again (a client's register_plugin on a preloaded
+            # scheduler): keep the store the routes already serve.
+            self.store = existing
+            return
         self.store.install(scheduler)
         expire = PeriodicCallback(self.store.expire, poolstats.STALE_AFTER * 500)
         scheduler.periodic_callbacks["fiber-pools-expire"] = expire

@@ -66,6 +66,8 @@ import time
 import weakref
 from typing import Any
 
+from . import cluster
+
 __all__ = [
     "PoolCounters",
     "PoolStore",
@@ -136,7 +138,6 @@ class PoolCounters:
         "_positions",
         "_slots",
         "_base",
-        "__weakref__",
     )
 
     def __init__(self, positions: dict[int, int]) -> None:
@@ -206,15 +207,15 @@ def _unsent(job: Any) -> int:
     """Items of ``job`` not handed to the engine as chunks yet."""
     from .poolresults import IMapIterator, MapResult
 
-    if getattr(job, "_finished", True) or job._exhausted:
+    if isinstance(job, IMapIterator):
+        return 0  # its input is read as slots take work
+    if job._exhausted or job._finished:
         return 0
     if isinstance(job, MapResult):
         items = job._items
         if items is None:
             return 0
         return max(0, len(items) - job._chunk_index * job._chunksize)
-    if isinstance(job, IMapIterator):
-        return 0  # its input is read as slots take work
     return 1  # apply_async
 
 
@@ -326,9 +327,11 @@ class _Reporter:
         self.supported: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
+        self.stopped = False
 
     def watch(self, engine: Any) -> None:
         with self.lock:
+            self.stopped = False
             self.engines.add(engine)
             self.history[engine._token] = _History(time.monotonic())
             self._ensure_thread()
@@ -341,6 +344,17 @@ class _Reporter:
                 return
             self.removed.setdefault(engine._client, set()).add(engine._token)
             self._ensure_thread()
+        self.wake.set()
+
+    def stop(self) -> None:
+        """At shutdown (a ``cluster.on_shutdown`` hook, after the pools have
+        stopped): send nothing more.  The clients are about to close, and
+        their scheduler drops their pools when they do.  Never blocks."""
+        with self.lock:
+            self.stopped = True
+            self.engines = weakref.WeakSet()
+            self.history.clear()
+            self.removed.clear()
         self.wake.set()
 
     def _ensure_thread(self) -> None:
@@ -357,7 +371,7 @@ class _Reporter:
             with self.lock:
                 engines = list(self.engines)
                 removed, self.removed = self.removed, {}
-                if not engines and not removed:
+                if self.stopped or (not engines and not removed):
                     self.thread = None
                     return
             try:
@@ -434,6 +448,9 @@ def _call(client: Any, op: str, **msg: Any) -> Any:
 
 
 _reporter = _Reporter()
+# Registered before the pools' own hook (poolengine imports this module first),
+# so it runs after them: hooks run newest first.
+cluster.on_shutdown(_reporter.stop)
 
 
 def watch(engine: Any) -> None:

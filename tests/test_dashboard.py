@@ -340,6 +340,14 @@ def test_without_the_plugin_info_says_so_and_register_plugin_adds_it():
             assert e.value.code == 404
 
 
+def test_registering_the_plugin_again_keeps_the_served_store(client):
+    base = http_base(client)
+    client.register_plugin(dashboard.PoolDashboard())  # already preloaded there
+    with fiber_dask.Pool(1, client=client) as pool:
+        pool.map(abs, range(3))
+        wait_for_counts(base, pool, done=3)
+
+
 # ------------------------------------------------------------------ the browser
 
 
