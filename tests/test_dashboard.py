@@ -286,10 +286,11 @@ def info(address: str, *args: str) -> subprocess.CompletedProcess:
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=120,
     )
 
 
+@pytest.mark.timeout(300)
 def test_info_lists_live_pools(cluster, client):
     base = http_base(client)
     with fiber_dask.Pool(2, client=client) as pool:
@@ -312,6 +313,8 @@ def test_info_lists_live_pools(cluster, client):
         assert data["pools_page"] == base + "/fiber-pools"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a cluster and two CLI runs: minutes on a loaded machine
 def test_without_the_plugin_info_says_so_and_register_plugin_adds_it():
     with (
         stats_cluster(preload=False, bokeh=False) as plain,
@@ -342,7 +345,8 @@ def test_without_the_plugin_info_says_so_and_register_plugin_adds_it():
 
 def test_registering_the_plugin_again_keeps_the_served_store(client):
     base = http_base(client)
-    client.register_plugin(dashboard.PoolDashboard())  # already preloaded there
+    with pytest.warns(UserWarning, match="overwriting"):  # preloaded there
+        client.register_plugin(dashboard.PoolDashboard())
     with fiber_dask.Pool(1, client=client) as pool:
         pool.map(abs, range(3))
         wait_for_counts(base, pool, done=3)
@@ -405,6 +409,7 @@ def _readme_section(title: str) -> str:
     return text[start:end]
 
 
+@pytest.mark.timeout(300)
 def test_readme_map_async_progress_example_runs(tmp_path):
     section = _readme_section("Progress and the dashboard")
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -418,7 +423,7 @@ def test_readme_map_async_progress_example_runs(tmp_path):
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=240,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -428,6 +433,7 @@ def test_readme_map_async_progress_example_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_info_lists_the_pools_of_programs_on_fiber_dask_up(tmp_path):
     env = _env(
         DASK_FIBER__UP__STATE_DIR=str(tmp_path / "state"),
@@ -460,7 +466,7 @@ def test_info_lists_the_pools_of_programs_on_fiber_dask_up(tmp_path):
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
-            timeout=90,
+            timeout=120,
         )
 
     up = command("up")
