@@ -42,7 +42,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import channel, cluster, config, security
+from . import channel, cluster, config, poolstats, security
 from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from .poolelastic import Elastic
@@ -275,6 +275,8 @@ class PoolEngine:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._loop_numbers = itertools.count()
+        #: Counts for the dashboard (fiber_dask.poolstats), kept under _lock.
+        self._stats = poolstats.PoolCounters(self._position)
 
     # ------------------------------------------------------------ public API
 
@@ -297,6 +299,7 @@ class PoolEngine:
             target=self._run, name="fiber-pool-results", daemon=True
         )
         self._thread.start()
+        poolstats.watch(self)
 
     def slots(self) -> list[PoolSlot]:
         """One :class:`PoolSlot` per slot (what ``Pool._pool`` shows)."""
@@ -494,6 +497,7 @@ class PoolEngine:
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
             # caller's get(), as the stdlib reports it.
+            self._stats.failed += 1
             self._settle(chunk, False, e)
             return
         ckey = next(self._ckeys)
@@ -520,6 +524,7 @@ class PoolEngine:
             self._wake()
             return
         peer.inflight[ckey] = chunk
+        self._stats.sent(peer)
         self._file(peer)
 
     def _settle(self, chunk: _Chunk, ok: bool, value: Any) -> None:
@@ -633,6 +638,7 @@ class PoolEngine:
                 if chunk is not None:
                     self._learn(chunk, msg.seconds)
                     self._losses.clear()  # the pool makes progress
+                    self._stats.result(peer, len(chunk.items), msg.ok)
                 if msg.last:
                     peer.retiring = True
                     self._recycled.add(peer.loop)
@@ -660,6 +666,7 @@ class PoolEngine:
     def _peer_lost(self, peer: _Peer) -> None:
         failed: list[tuple[_Chunk, BaseException]] = []
         with self._lock:
+            self._stats.lost(peer)
             self._peers.pop(peer.conn, None)
             for pos, p in list(self._peer_at.items()):
                 if p is peer:
@@ -673,6 +680,7 @@ class PoolEngine:
             if self.state == TERMINATE or self._released:
                 return
             back: list[_Chunk] = []
+            rerun = 0  # items that were running there and go again
             chunks = [c for c in peer.inflight.values() if not c.job._finished]
             if chunks and not peer.retiring:
                 self._losses.append(time.monotonic())
@@ -683,6 +691,7 @@ class PoolEngine:
                     # It was running, but which item we cannot tell: re-run it
                     # item by item, so the next loss names the item.
                     split = _Split(len(chunk.items))
+                    rerun = len(chunk.items)
                     for offset, item in enumerate(chunk.items):
                         back.append(
                             _Chunk(chunk.job, chunk.index, [item], split, offset)
@@ -694,6 +703,8 @@ class PoolEngine:
                         failed.append((chunk, self._item_error(chunk, peer)))
                     else:
                         back.append(chunk)
+                        rerun = 1
+            self._stats.rerun(rerun, len(failed))
             self._retry.extendleft(reversed(back))
             if back:
                 logger.warning(
@@ -897,6 +908,7 @@ class PoolEngine:
             self._peers.clear()
             self._peer_at.clear()
             self._load_index.clear()
+        poolstats.unwatch(self)
         self._server.unregister(self._service)
         for peer in peers:
             channel.hangup(peer.conn)

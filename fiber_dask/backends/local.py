@@ -35,6 +35,10 @@ class LocalBackend(Backend):
 
             preload = list(dask.config.get("distributed.worker.preload") or [])
             extra["preload"] = [*preload, "fiber_dask.slots"]
+        # The scheduler reports the pools on its dashboard (fiber_dask.dashboard).
+        from ..dashboard import preload_modules
+
+        extra["scheduler_kwargs"] = {"preload": preload_modules()}
         cluster = LocalCluster(
             n_workers=0 if adaptive else n_workers,
             threads_per_worker=threads,

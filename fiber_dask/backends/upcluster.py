@@ -173,6 +173,8 @@ def serve(path: str, settings: dict[str, Any]) -> None:
 
     from distributed import LocalCluster
 
+    from ..dashboard import preload_modules
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -187,6 +189,8 @@ def serve(path: str, settings: dict[str, Any]) -> None:
         dashboard_address=loopback(settings["dashboard_address"]),
         host="127.0.0.1",
         scheduler_port=0,
+        # The pools of the programs using it, on its dashboard and in `info`.
+        scheduler_kwargs={"preload": preload_modules()},
     )
     try:
         try:

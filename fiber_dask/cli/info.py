@@ -37,8 +37,10 @@ def info(
     """Connect as a program would and describe the cluster.
 
     Prints the backend, the scheduler address, the workers with their threads and
-    memory, the batch jobs (SLURM, PBS, SGE, LSF, HTCondor: id and state) and the
-    dashboard link.  A cluster that fiber-dask starts for this (the embedded one, a
+    memory, the batch jobs (SLURM, PBS, SGE, LSF, HTCondor: id and state), the
+    live pools of the programs using the cluster (done, in flight, queued,
+    failed, re-runs, items per second, each slot's busy fraction: what the
+    dashboard's fiber-pools page shows) and the dashboard link.  A cluster that fiber-dask starts for this (the embedded one, a
     new Kubernetes cluster, batch jobs) is closed again afterwards (its jobs
     cancelled), so its dashboard link is dead once this returns: --keep keeps it
     until Ctrl-C, and `fiber-dask up` starts a local cluster that stays.  One it
@@ -92,6 +94,8 @@ def _wait_for_interrupt() -> None:
 
 
 def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
+    from urllib.parse import urlsplit
+
     import dask
     import distributed
     from dask.utils import parse_timedelta
@@ -123,6 +127,9 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
         has_bokeh = True
     except ImportError:
         has_bokeh = False
+    pool_document = _pool_document(client)
+    pools = None if pool_document is None else pool_document["pools"]
+    page = None if pool_document is None else pool_document.get("page")
     return {
         "backend": handle.backend,
         "owned": bool(handle.owned),
@@ -136,6 +143,13 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
             else None
         ),
         "jobs": jobs,
+        # None: the scheduler has no pool-stats plugin (fiber_dask.dashboard)
+        "pools": pools,
+        "pools_page": (
+            urlsplit(dashboard)._replace(path=page, query="").geturl()
+            if dashboard and page
+            else None
+        ),
         "dashboard": dashboard,
         "dashboard_needs_bokeh": bool(dashboard) and not has_bokeh,
         "versions": {
@@ -145,6 +159,46 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
             "python": platform.python_version(),
         },
     }
+
+
+def _pool_document(client: Any) -> dict[str, Any] | None:
+    """The scheduler's pool document, or None without its plugin."""
+    from fiber_dask import poolstats
+
+    try:
+        return poolstats.fetch(client)
+    except (OSError, TimeoutError) as e:
+        raise CLIError(f"cannot read the pools from the scheduler: {e}") from None
+
+
+def _pool_lines(
+    pools: list[dict[str, Any]] | None, owned: bool = False
+) -> tuple[str, list[str]]:
+    """The ``pools:`` row and one indented line per pool."""
+    if pools is None:
+        return (
+            "not reported: the scheduler has no fiber-dask pool-stats plugin "
+            "(start it with `--preload fiber_dask.dashboard`; see the README, "
+            "Progress and the dashboard)",
+            [],
+        )
+    if not pools:
+        if owned:
+            # Started for this command: no other program uses it.
+            return (
+                "none running (on this cluster, started for this command; a "
+                "program's pools are on the cluster it uses: `fiber-dask up` "
+                "starts one that programs share and this command lists)",
+                [],
+            )
+        return "none running", []
+    from fiber_dask.dashboard import summary
+
+    lines = []
+    for p in pools:
+        slots = ", ".join(f"{s['name']} {s['busy']:.0%}" for s in p["slots"])
+        lines.append(f"  {summary(p)} ({slots})")
+    return f"{len(pools)} live", lines
 
 
 def _print(data: dict[str, Any]) -> None:
@@ -179,6 +233,8 @@ def _print(data: dict[str, Any]) -> None:
             for j in jobs
         )
         rows.append(("jobs", f"{len(jobs)}" + (f": {listed}" if jobs else "")))
+    pools_row, pool_lines = _pool_lines(data["pools"], data["owned"])
+    rows.append(("pools", pools_row))
     dashboard = data["dashboard"] or "not served"
     if data["dashboard"] and data["owned"] and not data.get("kept"):
         dashboard += (
@@ -188,9 +244,14 @@ def _print(data: dict[str, Any]) -> None:
     if data["dashboard_needs_bokeh"]:
         dashboard += " (install bokeh to see it: pip install 'fiber-dask[diagnostics]')"
     rows.append(("dashboard", dashboard))
+    if data.get("pools_page"):
+        rows.append(("pools page", data["pools_page"]))
     rows.append(
         ("versions", ", ".join(f"{k} {v}" for k, v in data["versions"].items()))
     )
     width = max(len(k) for k, _ in rows) + 1
     for key, value in rows:
         click.echo(f"{(key + ':').ljust(width)} {value}")
+        if key == "pools":
+            for line in pool_lines:
+                click.echo(line)
