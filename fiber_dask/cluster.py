@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from . import config, mainguard
 from .backends import ClusterHandle, load_backend
+from .backends import address as address_rules
 from .backends.address import configured_address
 from .backends.upcluster import running_handle
 from .errors import ClusterConnectionError
@@ -258,10 +259,24 @@ def get_client(**kwargs: Any) -> Any:
 
 
 def _handle_for_client(client: Any) -> ClusterHandle:
-    from .backends.base import route_host
-
-    host = config.get("listen-host") or route_host(client.scheduler.address)
+    host = address_rules.listen_host(client.scheduler.address)
     return ClusterHandle(client, None, owned=False, backend="client", listen_host=host)
+
+
+def current_handle() -> ClusterHandle | None:
+    """This process's cluster handle if it is bound to a cluster, else None
+    (never starts one)."""
+    return _handle
+
+
+def listen_host(resolve_cluster: bool = False) -> str:
+    """Where this process's endpoints (channel, object and manager servers)
+    listen, by :func:`fiber_dask.backends.address.listen_host`: its cluster
+    handle's host if it has one; no cluster is started for it unless
+    ``resolve_cluster`` says so (and nothing else decides)."""
+    return address_rules.listen_host(
+        handle=_handle, resolve=get_handle if resolve_cluster else None
+    )
 
 
 def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHandle:

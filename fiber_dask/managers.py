@@ -333,9 +333,9 @@ def _manager_host() -> str:
     """The interface the server listens on: where this process's other
     endpoints listen (the one that reaches the scheduler; the cluster is
     resolved for it if nothing else decides)."""
-    from .objserver import listen_host
+    from . import cluster
 
-    return listen_host(resolve_cluster=True)
+    return cluster.listen_host(resolve_cluster=True)
 
 
 def _cluster_settings(tls_settings: Any = None) -> dict:

@@ -27,7 +27,7 @@ import pytest
 from distributed.security import Security
 from support.wait import wait_until
 
-from fiber_dask import channel, gate, objserver, tls
+from fiber_dask import channel, cluster, gate, objserver, tls
 from fiber_dask import security as fiber_security
 from fiber_dask.errors import TLSConnectionError
 
@@ -469,7 +469,7 @@ def test_queue_holder_over_tls_acknowledges_through_tls(pinned, monkeypatch):
     from fiber_dask.queues import Queue
 
     monkeypatch.setattr(objserver, "_object_server", None)
-    monkeypatch.setattr(objserver, "listen_host", lambda: "127.0.0.1")
+    monkeypatch.setattr(cluster, "listen_host", lambda *a, **k: "127.0.0.1")
     q = Queue()
     assert objserver._object_server.server.context is not None
     holder = Queue.__new__(Queue)

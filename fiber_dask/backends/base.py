@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-__all__ = ["Backend", "ClusterHandle", "connect", "route_host"]
+__all__ = ["Backend", "ClusterHandle", "connect"]
 
 
 @dataclass
@@ -103,23 +102,3 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
         raise ClusterConnectionError(failure(timeout, e)) from e
     client._fiber_created = True
     return client
-
-
-def route_host(address: str) -> str:
-    """The local IP address this host uses to reach ``address`` (a Dask URI).
-
-    The direct channel listens there, so workers that can reach the scheduler
-    can reach us, and nothing listens on other interfaces.
-    """
-    from distributed.comm import get_address_host
-
-    host = get_address_host(address)
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return "127.0.0.1" if ":" not in host else host
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))  # UDP connect sends nothing; it picks a route
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())

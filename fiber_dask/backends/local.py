@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import config
+from .address import listen_host
 from .base import Backend, ClusterHandle
 
 __all__ = ["LocalBackend"]
@@ -58,7 +59,7 @@ class LocalBackend(Backend):
         except BaseException:
             cluster.close()
             raise
-        host = config.get("listen-host") or "127.0.0.1"
+        host = listen_host(cluster.scheduler_address)  # 127.0.0.1 unless configured
         handle = ClusterHandle(
             client, cluster, owned=True, backend=self.name, listen_host=host
         )
