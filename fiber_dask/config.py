@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     import jsonschema
 
 __all__ = [
-    "BUILTIN_BACKENDS",
-    "ENTRY_POINT_GROUP",
     "ConfigError",
     "near_misses",
     "Problem",
@@ -47,11 +45,6 @@ __all__ = [
     "timedelta",
     "validate",
 ]
-
-#: Backends that ship with fiber-dask; plugins add more through entry points.
-BUILTIN_BACKENDS = frozenset({"local", "address"})
-#: Entry-point group in which backends register their names.
-ENTRY_POINT_GROUP = "fiber_dask.backends"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS_PATH = os.path.join(_HERE, "fiber.yaml")
@@ -329,15 +322,9 @@ def available_backends() -> list[str]:
     >>> {"address", "local"} <= set(config.available_backends())
     True
     """
-    from importlib.metadata import entry_points
+    from .backends import available_backends as registered  # the one registry
 
-    try:
-        registered = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    except Exception:  # noqa: BLE001
-        # A broken distribution's metadata must not make every Pool creation fail;
-        # the built-in names are still usable and an unknown name is still reported.
-        registered = set()
-    return sorted(BUILTIN_BACKENDS | registered)
+    return registered()
 
 
 # The last configuration that passed validation, frozen (see _freeze) and as a copy.
@@ -594,7 +581,7 @@ def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
                 reason += f"; did you mean {guess!r}?"
             allowed = (
                 f"null (automatic) or an installed backend: {', '.join(names)} "
-                f"(plugins register more in the entry-point group {ENTRY_POINT_GROUP})"
+                "(plugins register more in the entry-point group fiber_dask.backends)"
             )
             problems.append(problem(["fiber", "backend"], backend, reason, allowed))
 

@@ -252,6 +252,63 @@ def test_third_party_backend_from_entry_point(tmp_path):
     assert seen["backend"] == "tiny" and seen["owned"] is True
 
 
+class _EntryPoint:
+    """What ``importlib.metadata.entry_points`` yields: a name and a target."""
+
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+
+def test_a_backend_whose_entry_point_cannot_load_is_named_with_its_error(
+    tmp_path, monkeypatch
+):
+    import importlib.metadata
+
+    from fiber_dask import backends, config
+
+    (tmp_path / "broken_backend.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = [
+        _EntryPoint("broken", "broken_backend:Backend"),
+        _EntryPoint("missing", "fiber_dask.backends.local:NoSuchBackend"),
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: entries)
+    # Listed (its name is all validation reads), refused with the reason when chosen.
+    assert {"broken", "missing", "local"} <= set(config.available_backends())
+    with pytest.raises(config.ConfigError) as info:
+        backends.load_backend("broken")
+    message = str(info.value)
+    assert "broken = broken_backend:Backend" in message
+    assert "ModuleNotFoundError" in message and "no_such_module_here" in message
+    with pytest.raises(config.ConfigError, match="NoSuchBackend"):
+        backends.load_backend("missing")
+    assert backends.load_backend("local").__name__ == "LocalBackend"
+
+
+def test_broken_entry_point_metadata_is_reported_once_and_keeps_the_builtins(
+    monkeypatch,
+):
+    import importlib.metadata
+    import warnings
+
+    from fiber_dask import backends, config
+
+    def broken(group):
+        raise ValueError("bad entry_points.txt in some-dist")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", broken)
+    monkeypatch.setattr(backends, "_reported", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert config.available_backends() == ["address", "local"]
+        assert backends.load_backend("address").__name__ == "AddressBackend"
+        with dask.config.set({"fiber.backend": "local"}):
+            config.validate()
+    (warning,) = [w for w in seen if "entry points" in str(w.message)]
+    assert "fiber_dask.backends" in str(warning.message)
+    assert "bad entry_points.txt in some-dist" in str(warning.message)
+
+
 def test_init_and_shutdown_give_explicit_control(existing):
     c = fiber_dask.init(address=existing.scheduler_address)
     try:
