@@ -342,9 +342,10 @@ def _check_not_bootstrapping() -> None:
 def task_slots(handle: ClusterHandle | None = None) -> int:
     """How many tasks the cluster runs at once (sum of worker threads).
 
-    For a cluster fiber-dask started, at least what it was sized for (an
-    adaptive cluster's maximum, not the minimum it runs while idle); for a
-    still-starting cluster with no workers yet, the configured size.
+    For a cluster fiber-dask started, at least what its backend sized it for
+    (``planned_slots``: its fixed size, grown by pools, or an adaptive
+    cluster's maximum, not the minimum it runs while idle); for an attached
+    cluster with no workers yet, ``fiber.adaptive.maximum`` or the CPU count.
     """
     import os
 
@@ -356,37 +357,23 @@ def task_slots(handle: ClusterHandle | None = None) -> int:
         return max(slots, handle.planned_slots)
     if slots:
         return slots
-    if handle.owned and handle.cluster is not None:
-        n = len(getattr(handle.cluster, "worker_spec", {})) * (
-            config.get("local.threads-per-worker") or 1
-        )
-        if n:
-            return n
-    return (
-        config.get("adaptive.maximum")
-        or config.get("local.n-workers")
-        or os.cpu_count()
-        or 1
-    )
+    # An attached cluster with no workers yet (one that is still starting, or
+    # scales from zero): what adaptive scaling may start, else one slot per CPU
+    # as the stdlib's Pool.
+    return config.get("adaptive.maximum") or os.cpu_count() or 1
 
 
 def ensure_slots(handle: ClusterHandle, n: int) -> None:
     """Grow a non-adaptive cluster fiber-dask started so ``n`` tasks fit at once.
 
     ``Pool(processes=N)`` means N tasks run at once; where fiber-dask manages the
-    cluster it provides the slots, as the stdlib starts N processes.  Attached
-    clusters are never resized.
+    cluster it provides the slots, as the stdlib starts N processes: through
+    the backend's ``grow`` hook (how depends on the backend: worker processes,
+    pods, batch jobs).  Attached clusters are never resized.
     """
-    cluster = handle.cluster
-    if not handle.owned or cluster is None or config.get("adaptive.enabled"):
+    if not handle.owned or handle.grow is None or config.get("adaptive.enabled"):
         return
-    if handle.grow is not None:
-        handle.grow(n)
-        return
-    per_worker = config.get("local.threads-per-worker") or 1
-    want = -(-n // per_worker)
-    if len(cluster.worker_spec) < want:
-        cluster.scale(want)
+    handle.grow(n)
 
 
 # ------------------------------------------------------------ slot accounting

@@ -338,10 +338,23 @@ def test_pool_of_more_processes_than_slots_grows_the_embedded_cluster(tmp_path):
                     time.sleep(0.05)  # all three pool loops connected
                 # Three tasks that overlap in time run in three processes.
                 pids = pool.map(pid_after, [2.0] * 3, chunksize=1)
-            print(len(client.scheduler_info()["workers"]), len(set(pids)))
+            # The grown size is what the next Pool() is sized for.
+            print(len(client.scheduler_info()["workers"]), len(set(pids)),
+                  cluster.task_slots())
         """,
         tmp_path,
         {"DASK_FIBER__LOCAL__N_WORKERS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "3 3"
+    assert proc.stdout.strip().splitlines()[-1] == "3 3 3"
+
+
+def test_backend_is_abstract():
+    from fiber_dask.backends import Backend
+
+    class NoStart(Backend):
+        name = "no-start"
+
+    for cls in (Backend, NoStart):
+        with pytest.raises(TypeError, match="abstract"):
+            cls()

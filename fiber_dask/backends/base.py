@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -24,8 +25,9 @@ class ClusterHandle:
     #: Task slots the backend sized the cluster for (its fixed size, or the
     #: adaptive maximum), known before any worker has joined; None if unknown.
     planned_slots: int | None = None
-    #: For owned clusters that are not a ``SpecCluster`` (Kubernetes): called with
-    #: the number of task slots needed at once, grows the cluster if it is smaller.
+    #: For owned clusters of a fixed size: called with the number of task slots
+    #: needed at once, grows the cluster if it is smaller (and raises
+    #: ``planned_slots`` to match).
     grow: Callable[[int], None] | None = None
     #: For batch-job clusters (dask-jobqueue): lists the jobs, one dict each
     #: (``name``, ``id``, ``state``, ``workers``), for ``fiber-dask info``.
@@ -73,14 +75,22 @@ def _close_workers_first(cluster: Any, timeout: float | None) -> None:
         pass
 
 
-class Backend:
-    """Base class of a backend.  Subclasses set ``name`` and implement ``start``."""
+class Backend(abc.ABC):
+    """Base class of a backend: subclasses set ``name`` and implement ``start``.
+
+    What the cluster layer needs from a cluster is in the handle ``start``
+    returns, not read from the backend's config by the cluster layer: its
+    listen host (decide it with :func:`fiber_dask.backends.address.listen_host`),
+    and for a cluster the backend started (``owned``) the task slots it is sized
+    for (``planned_slots``) and, unless it scales adaptively, a ``grow`` hook
+    that ``Pool(processes=N)`` calls so that N tasks fit at once.
+    """
 
     name: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def start(self, *, address: str | None = None) -> ClusterHandle:
         """Start or attach to a cluster and return a connected handle."""
-        raise NotImplementedError
 
 
 def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
