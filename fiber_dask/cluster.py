@@ -45,6 +45,8 @@ __all__ = [
     "init",
     "shutdown",
     "get_handle",
+    "current_handle",
+    "listen_host",
     "get_client",
     "task_slots",
     "ensure_slots",
