@@ -18,6 +18,7 @@ import psutil
 import pytest
 from distributed import Client
 from helpers_cluster import loopback_cluster, runs_under
+from support.wait import wait_until
 
 import fiber_dask
 from fiber_dask import ClusterConnectionError, cluster
@@ -178,17 +179,18 @@ def test_embedded_cluster_starts_lazily_and_leaves_no_process(tmp_path):
     assert seen["backend"] == "local" and seen["owned"] is True
     assert seen["n"] == 2 and seen["threads"] == [1] and seen["slots"] == 2
     assert seen["scheduler"].startswith("tcp://127.0.0.1:")
-    deadline = time.monotonic() + 10
-    alive = seen["worker_pids"]
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p
-            for p in alive
-            if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.2)
-    assert alive == [], f"worker processes outlived the script: {alive}"
+
+    def exited(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(
+        lambda: all(exited(p) for p in seen["worker_pids"]),
+        10,
+        f"the script's worker processes {seen['worker_pids']} to exit with it",
+    )
 
 
 def test_unguarded_script_gets_the_stdlib_bootstrapping_error(tmp_path):
