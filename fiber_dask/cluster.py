@@ -282,6 +282,14 @@ def listen_host(resolve_cluster: bool = False) -> str:
 
 
 def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
+    handle = _find(backend, address, client)
+    if not handle.listen_host:  # a third-party backend that left it to us
+        handle.listen_host = address_rules.listen_host(handle.client.scheduler.address)
+    return handle
+
+
+def _find(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
+    """The handle the resolution order (see the module docstring) gives."""
     if client is not None:
         return _handle_for_client(client)
     config.validate()

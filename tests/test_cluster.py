@@ -222,8 +222,8 @@ class TinyBackend(Backend):
         cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                                dashboard_address=None, host="127.0.0.1")
         client = Client(cluster, set_as_default=False)
-        return ClusterHandle(client, cluster, owned=True, backend=self.name,
-                             listen_host="127.0.0.1")
+        # No listen_host: the cluster layer decides it by the common rule.
+        return ClusterHandle(client, cluster, owned=True, backend=self.name)
 '''
 
 

@@ -21,6 +21,9 @@ class ClusterHandle:
     cluster: Any = None
     owned: bool = False
     backend: str = "address"
+    #: The interface this process's endpoints listen on for this cluster
+    #: (:func:`fiber_dask.backends.address.listen_host`); the cluster layer
+    #: fills it in if a backend leaves it None.
     listen_host: str | None = None
     #: Task slots the backend sized the cluster for (its fixed size, or the
     #: adaptive maximum), known before any worker has joined; None if unknown.
