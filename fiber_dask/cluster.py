@@ -15,10 +15,12 @@ Resolution, first match wins:
 
 A cluster fiber-dask did not start is never shut down by it.
 
-This layer also keeps what every user of a cluster shares: the accounting of
-task slots that live pools hold (:func:`claim_slots`, next to
-:func:`ensure_slots`), the health check of a handle's connection
-(:func:`check_connected`), and the shutdown order.  Layers above register
+This layer also keeps what every user of a cluster shares: where this
+process's endpoints listen (:func:`listen_host`, by the rule in
+:mod:`fiber_dask.backends.address`), the accounting of task slots that live
+pools hold (:func:`claim_slots`, next to :func:`ensure_slots`, which grows a
+cluster through its backend's ``grow`` hook), the health check of a handle's
+connection (:func:`check_connected`), and the shutdown order.  Layers above register
 their shutdown with :func:`on_shutdown` (this module imports none of them):
 at exit, first the cluster's users stop (pools: their loops told to end and
 waited for, with a deadline), then the clients and clusters close, then the
