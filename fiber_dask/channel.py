@@ -54,7 +54,7 @@ from . import cluster, gate, security, tls
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChannelServer", "connect", "get_server", "ChannelError"]
+__all__ = ["ChannelServer", "connect", "get_server", "ChannelError", "Unreachable"]
 
 _NONCE = 32
 _CHALLENGE = b"#FIBER-CHALLENGE#"
@@ -70,6 +70,18 @@ Handler = Callable[[Connection, Any], None]
 
 class ChannelError(ConnectionError):
     """A direct-channel connection could not be made or was refused."""
+
+
+class Unreachable(ChannelError):
+    """The server's address cannot be reached from this host, or the
+    connection stalled before the handshake finished (an address valid only
+    on the server's own host, a firewall, a partition; or the server exited).
+
+    The one test of "the owner cannot be reached" for every Dask task that
+    connects back to the process that submitted it (a pool's loops, a
+    Process's launcher): other :class:`ChannelError` errors mean the server
+    answered and the service is gone.
+    """
 
 
 def _digest(authkey: bytes, message: bytes) -> bytes:
@@ -280,8 +292,9 @@ def connect(
     """Connect to a :class:`ChannelServer`, authenticate, and open ``service``.
 
     ``timeout`` bounds the connection attempt and each handshake step; default
-    ``fiber.peer-timeout``.  Raises :class:`ChannelError` (a ``ConnectionError``)
-    when the server is unreachable or has no such service,
+    ``fiber.peer-timeout``.  Raises :class:`Unreachable` when the server
+    cannot be reached, :class:`ChannelError` (a ``ConnectionError``, the base
+    of both) when it has no such service,
     ``multiprocessing.AuthenticationError`` when the authkeys differ, and
     :class:`~fiber_dask.errors.TLSConnectionError` when one end uses TLS and
     the other does not (or their certificates do not match).
@@ -294,7 +307,7 @@ def connect(
         port,
         timeout,
         f"{host}:{port}",
-        lambda e: ChannelError(
+        lambda e: Unreachable(
             f"cannot reach the fiber-dask channel at {host}:{port}: {e}. "
             "The process that owns this object must be reachable from this host; "
             "set fiber.listen-host to an address the workers can connect to."
@@ -310,7 +323,7 @@ def connect(
         _read_timeout(conn, None)  # the connection's own reads wait as long as needed
     except (BlockingIOError, TimeoutError) as e:
         conn.close()
-        raise ChannelError(
+        raise Unreachable(
             f"the handshake with {host}:{port} stalled for over {timeout:g} s "
             "(not a fiber-dask endpoint, or it is overloaded)"
         ) from e

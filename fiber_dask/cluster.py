@@ -15,10 +15,12 @@ Resolution, first match wins:
 
 A cluster fiber-dask did not start is never shut down by it.
 
-This layer also keeps what every user of a cluster shares: the accounting of
-task slots that live pools hold (:func:`claim_slots`, next to
-:func:`ensure_slots`), the health check of a handle's connection
-(:func:`check_connected`), and the shutdown order.  Layers above register
+This layer also keeps what every user of a cluster shares: where this
+process's endpoints listen (:func:`listen_host`, by the rule in
+:mod:`fiber_dask.backends.address`), the accounting of task slots that live
+pools hold (:func:`claim_slots`, next to :func:`ensure_slots`, which grows a
+cluster through its backend's ``grow`` hook), the health check of a handle's
+connection (:func:`check_connected`), and the shutdown order.  Layers above register
 their shutdown with :func:`on_shutdown` (this module imports none of them):
 at exit, first the cluster's users stop (pools: their loops told to end and
 waited for, with a deadline), then the clients and clusters close, then the
@@ -36,6 +38,7 @@ from typing import Any, Callable
 
 from . import config, mainguard
 from .backends import ClusterHandle, load_backend
+from .backends import address as address_rules
 from .backends.address import configured_address
 from .backends.upcluster import running_handle
 from .errors import ClusterConnectionError
@@ -44,6 +47,8 @@ __all__ = [
     "init",
     "shutdown",
     "get_handle",
+    "current_handle",
+    "listen_host",
     "get_client",
     "task_slots",
     "ensure_slots",
@@ -258,13 +263,35 @@ def get_client(**kwargs: Any) -> Any:
 
 
 def _handle_for_client(client: Any) -> ClusterHandle:
-    from .backends.base import route_host
-
-    host = config.get("listen-host") or route_host(client.scheduler.address)
+    host = address_rules.listen_host(client.scheduler.address)
     return ClusterHandle(client, None, owned=False, backend="client", listen_host=host)
 
 
+def current_handle() -> ClusterHandle | None:
+    """This process's cluster handle if it is bound to a cluster, else None
+    (never starts one)."""
+    return _handle
+
+
+def listen_host(resolve_cluster: bool = False) -> str:
+    """Where this process's endpoints (channel, object and manager servers)
+    listen, by :func:`fiber_dask.backends.address.listen_host`: its cluster
+    handle's host if it has one; no cluster is started for it unless
+    ``resolve_cluster`` says so (and nothing else decides)."""
+    return address_rules.listen_host(
+        handle=_handle, resolve=get_handle if resolve_cluster else None
+    )
+
+
 def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
+    handle = _find(backend, address, client)
+    if not handle.listen_host:  # a third-party backend that left it to us
+        handle.listen_host = address_rules.listen_host(handle.client.scheduler.address)
+    return handle
+
+
+def _find(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
+    """The handle the resolution order (see the module docstring) gives."""
     if client is not None:
         return _handle_for_client(client)
     config.validate()
@@ -327,9 +354,10 @@ def _check_not_bootstrapping() -> None:
 def task_slots(handle: ClusterHandle | None = None) -> int:
     """How many tasks the cluster runs at once (sum of worker threads).
 
-    For a cluster fiber-dask started, at least what it was sized for (an
-    adaptive cluster's maximum, not the minimum it runs while idle); for a
-    still-starting cluster with no workers yet, the configured size.
+    For a cluster fiber-dask started, at least what its backend sized it for
+    (``planned_slots``: its fixed size, grown by pools, or an adaptive
+    cluster's maximum, not the minimum it runs while idle); for an attached
+    cluster with no workers yet, ``fiber.adaptive.maximum`` or the CPU count.
     """
     import os
 
@@ -341,37 +369,23 @@ def task_slots(handle: ClusterHandle | None = None) -> int:
         return max(slots, handle.planned_slots)
     if slots:
         return slots
-    if handle.owned and handle.cluster is not None:
-        n = len(getattr(handle.cluster, "worker_spec", {})) * (
-            config.get("local.threads-per-worker") or 1
-        )
-        if n:
-            return n
-    return (
-        config.get("adaptive.maximum")
-        or config.get("local.n-workers")
-        or os.cpu_count()
-        or 1
-    )
+    # An attached cluster with no workers yet (one that is still starting, or
+    # scales from zero): what adaptive scaling may start, else one slot per CPU
+    # as the stdlib's Pool.
+    return config.get("adaptive.maximum") or os.cpu_count() or 1
 
 
 def ensure_slots(handle: ClusterHandle, n: int) -> None:
     """Grow a non-adaptive cluster fiber-dask started so ``n`` tasks fit at once.
 
     ``Pool(processes=N)`` means N tasks run at once; where fiber-dask manages the
-    cluster it provides the slots, as the stdlib starts N processes.  Attached
-    clusters are never resized.
+    cluster it provides the slots, as the stdlib starts N processes: through
+    the backend's ``grow`` hook (how depends on the backend: worker processes,
+    pods, batch jobs).  Attached clusters are never resized.
     """
-    cluster = handle.cluster
-    if not handle.owned or cluster is None or config.get("adaptive.enabled"):
+    if not handle.owned or handle.grow is None or config.get("adaptive.enabled"):
         return
-    if handle.grow is not None:
-        handle.grow(n)
-        return
-    per_worker = config.get("local.threads-per-worker") or 1
-    want = -(-n // per_worker)
-    if len(cluster.worker_spec) < want:
-        cluster.scale(want)
+    handle.grow(n)
 
 
 # ------------------------------------------------------------ slot accounting

@@ -34,24 +34,21 @@ if TYPE_CHECKING:
     import jsonschema
 
 __all__ = [
-    "BUILTIN_BACKENDS",
-    "ENTRY_POINT_GROUP",
     "ConfigError",
     "near_misses",
     "Problem",
     "available_backends",
     "defaults",
+    "describe_problems",
+    "describe_schema",
+    "find_source",
     "get",
+    "make_problem",
     "schema",
     "sources",
     "timedelta",
     "validate",
 ]
-
-#: Backends that ship with fiber-dask; plugins add more through entry points.
-BUILTIN_BACKENDS = frozenset({"local", "address"})
-#: Entry-point group in which backends register their names.
-ENTRY_POINT_GROUP = "fiber_dask.backends"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS_PATH = os.path.join(_HERE, "fiber.yaml")
@@ -329,15 +326,9 @@ def available_backends() -> list[str]:
     >>> {"address", "local"} <= set(config.available_backends())
     True
     """
-    from importlib.metadata import entry_points
+    from .backends import available_backends as registered  # the one registry
 
-    try:
-        registered = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    except Exception:  # noqa: BLE001
-        # A broken distribution's metadata must not make every Pool creation fail;
-        # the built-in names are still usable and an unknown name is still reported.
-        registered = set()
-    return sorted(BUILTIN_BACKENDS | registered)
+    return registered()
 
 
 # The last configuration that passed validation, frozen (see _freeze) and as a copy.
@@ -403,7 +394,7 @@ def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str,
     _warn_near_misses(extra_paths)
     if problems:
         footer = f"Every key and its meaning: {SCHEMA_PATH}"
-        raise ConfigError(f"{_describe_problems(problems)}\n\n{footer}", problems)
+        raise ConfigError(f"{describe_problems(problems)}\n\n{footer}", problems)
 
     snapshot = copy.deepcopy(current)
     _last_valid = (frozen, snapshot)
@@ -488,7 +479,7 @@ def near_misses(
                 "fiber-dask reads its settings only under 'fiber:'"
             )
         allowed = "fiber: with the keys " + ", ".join(sections)
-        source = _find_source([str(key)], value, paths)
+        source = find_source([str(key)], value, paths)
         found.append(Problem(str(key), value, reason, allowed, source))
     return found
 
@@ -514,7 +505,7 @@ def _warn_near_misses(extra_paths: Iterable[str | os.PathLike[str]]) -> None:
             )
 
 
-def _describe_problems(problems: Sequence[Problem]) -> str:
+def describe_problems(problems: Sequence[Problem]) -> str:
     """The message of a :class:`ConfigError`: a count, then every problem."""
     n = len(problems)
     header = f"Invalid fiber-dask configuration ({n} problem{'s' * (n != 1)}):"
@@ -522,7 +513,7 @@ def _describe_problems(problems: Sequence[Problem]) -> str:
     return f"{header}\n\n{body}"
 
 
-def _problem(
+def make_problem(
     parts: list[str],
     value: Any,
     reason: str,
@@ -530,14 +521,14 @@ def _problem(
     extra_paths: Sequence[str] = (),
 ) -> Problem:
     """A :class:`Problem` for the key ``parts``, naming where ``value`` came from."""
-    source = _find_source(parts, value, extra_paths)
+    source = find_source(parts, value, extra_paths)
     return Problem(".".join(parts), value, reason, allowed, source)
 
 
 def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
     from jsonschema.exceptions import relevance
 
-    problem = partial(_problem, extra_paths=extra_paths)
+    problem = partial(make_problem, extra_paths=extra_paths)
 
     if current is None:
         # Only possible if someone refreshed Dask's config without our defaults.
@@ -546,7 +537,7 @@ def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
                 ["fiber"],
                 None,
                 "the fiber section is missing from Dask's config",
-                _describe(schema()["properties"]["fiber"]),
+                describe_schema(schema()["properties"]["fiber"]),
             )
         ]
 
@@ -579,7 +570,9 @@ def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
             continue
         seen.add(key)
         problems.append(
-            problem(parts, error.instance, _reason(error), _describe(error.schema))
+            problem(
+                parts, error.instance, _reason(error), describe_schema(error.schema)
+            )
         )
 
     # Checks a JSON Schema cannot express.  They read values only where the schema
@@ -594,7 +587,7 @@ def _collect_problems(current: Any, extra_paths: list[str]) -> list[Problem]:
                 reason += f"; did you mean {guess!r}?"
             allowed = (
                 f"null (automatic) or an installed backend: {', '.join(names)} "
-                f"(plugins register more in the entry-point group {ENTRY_POINT_GROUP})"
+                "(plugins register more in the entry-point group fiber_dask.backends)"
             )
             problems.append(problem(["fiber", "backend"], backend, reason, allowed))
 
@@ -660,10 +653,12 @@ _TYPE_WORDS = {
 }
 
 
-def _describe(s: Mapping[str, Any]) -> str:
+def describe_schema(s: Mapping[str, Any]) -> str:
     """Say in words what a (sub)schema accepts: 'an integer (minimum 1) or null'."""
     if "anyOf" in s or "oneOf" in s:
-        text = " or ".join(_describe(sub) for sub in s.get("anyOf", s.get("oneOf")))
+        text = " or ".join(
+            describe_schema(sub) for sub in s.get("anyOf", s.get("oneOf"))
+        )
     elif "enum" in s:
         text = "one of " + ", ".join(repr(v) for v in s["enum"])
     elif "const" in s:
@@ -759,13 +754,13 @@ def sources(
             for key, value in data.items():
                 walk(value, properties.get(key, {}), [*parts, str(key)])
         else:
-            found.append((".".join(parts), data, _find_source(parts, data, paths)))
+            found.append((".".join(parts), data, find_source(parts, data, paths)))
 
     walk(current, fiber_schema, ["fiber"])
     return found
 
 
-def _find_source(parts: list[str], value: Any, extra_paths: Sequence[str]) -> str:
+def find_source(parts: list[str], value: Any, extra_paths: Sequence[str]) -> str:
     """Name where ``value`` at ``parts`` came from, checking sources by priority.
 
     A source "matches" when it sets the key to this very value; a value set in code

@@ -65,7 +65,7 @@ def reference_page() -> str:
             "",
             node.get("description", "").strip(),
             "",
-            f"- **accepts:** {config._describe(node)}",
+            f"- **accepts:** {config.describe_schema(node)}",
             f"- **default:** {_cell(default)}",
             f"- **environment variable:** `{env}`",
             "",

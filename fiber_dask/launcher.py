@@ -92,9 +92,9 @@ def run_launcher(
             service,
             hello={"pid": os.getpid(), "worker": worker_address},
         )
-    except channel.ChannelError as e:
-        if isinstance(e.__cause__, OSError):  # the parent's address, from this host
-            return LaunchResult(Outcome.UNREACHABLE, str(e))
+    except channel.Unreachable as e:  # the parent's address, from this host
+        return LaunchResult(Outcome.UNREACHABLE, str(e))
+    except channel.ChannelError:
         return LaunchResult(Outcome.REFUSED)
     except OSError as e:
         return LaunchResult(Outcome.UNREACHABLE, str(e))

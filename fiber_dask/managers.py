@@ -56,7 +56,7 @@ from .proxies import (
     MakeProxyType,
     proxy_type_for,
 )
-from .synchronize import _SemState
+from .synchronize import SemaphoreState
 
 __all__ = [
     "AsyncManager",
@@ -107,7 +107,7 @@ PoolProxy = proxy_type_for(_std.PoolProxy, __name__)
 
 # --- the server ---------------------------------------------------------------
 
-_leased: weakref.WeakSet[_SemState] = weakref.WeakSet()
+_leased: weakref.WeakSet[SemaphoreState] = weakref.WeakSet()
 
 
 class Server(_std.Server):
@@ -136,8 +136,8 @@ class Server(_std.Server):
 
     def _authenticated(self, conn: Any, _result: Any) -> None:
         """An authenticated connection (in a thread of its own)."""
-        if isinstance(self.listener, proxies._XmlListener):
-            conn = proxies._XmlClientWrap(conn)
+        if isinstance(self.listener, proxies.XmlListener):
+            conn = proxies.XmlClientWrap(conn)
         self.handle_request(conn)
 
     def _handle_request(self, c: Any) -> None:
@@ -231,7 +231,7 @@ class _ManagedSemaphore:
     def __init__(self, value: int = 1) -> None:
         if value < 0:
             raise ValueError("semaphore initial value must be >= 0")
-        self._state = _SemState(
+        self._state = SemaphoreState(
             value, value if self._bounded else None, self._recursive
         )
         _leased.add(self._state)
@@ -333,9 +333,9 @@ def _manager_host() -> str:
     """The interface the server listens on: where this process's other
     endpoints listen (the one that reaches the scheduler; the cluster is
     resolved for it if nothing else decides)."""
-    from .objserver import listen_host
+    from . import cluster
 
-    return listen_host(resolve_cluster=True)
+    return cluster.listen_host(resolve_cluster=True)
 
 
 def _cluster_settings(tls_settings: Any = None) -> dict:
@@ -344,7 +344,7 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     process's certificate when the cluster uses TLS)."""
     from . import cluster, security
 
-    handle = cluster._handle
+    handle = cluster.current_handle()
     if handle is None:
         return {}
     try:

@@ -217,41 +217,10 @@ def get_object_server() -> ObjectServer:
     global _object_server
     with _object_server_lock:
         if _object_server is None or _object_server.server._closed:
-            _object_server = ObjectServer(listen_host(), security.authkey())
+            from . import cluster
+
+            _object_server = ObjectServer(cluster.listen_host(), security.authkey())
         return _object_server
-
-
-def listen_host(resolve_cluster: bool = False) -> str:
-    """Where this process's endpoints listen, without starting a cluster
-    unless ``resolve_cluster`` says so.
-
-    ``fiber.listen-host``; else the host a launcher gave this child process;
-    else the host fiber-dask's cluster handle uses; inside a Dask worker, the
-    worker's own host; else, with ``resolve_cluster``, the host of the cluster
-    the configuration names (binding to it); else the local address that
-    routes to a configured scheduler; else 127.0.0.1.
-    """
-    from . import cluster, config
-
-    host = config.get("listen-host") or os.environ.get("FIBER_DASK_LISTEN_HOST")
-    if host:
-        return host
-    if cluster._handle is not None and cluster._handle.listen_host:
-        return cluster._handle.listen_host
-    try:
-        from distributed import get_worker
-        from distributed.comm import get_address_host
-
-        return get_address_host(get_worker().address)
-    except (ImportError, ValueError):
-        pass
-    if resolve_cluster:
-        return cluster.get_handle().listen_host or "127.0.0.1"
-    from .backends.address import configured_address
-    from .backends.base import route_host
-
-    address, _ = configured_address()
-    return route_host(address) if address else "127.0.0.1"
 
 
 class Remote:

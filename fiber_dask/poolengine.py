@@ -268,7 +268,7 @@ class PoolEngine:
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
         self._server = channel.get_server(
-            handle.listen_host or "127.0.0.1", security.authkey(), handle.client
+            handle.listen_host, security.authkey(), handle.client
         )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

@@ -153,15 +153,12 @@ def connect_to_owner(
             service,
             hello={"pid": os.getpid(), "worker": worker, "slot": slot},
         )
-    except channel.ChannelError as e:
-        if isinstance(e.__cause__, OSError):
-            # The owner cannot be reached from this host (an address valid
-            # only on its own host, a firewall, a partition; or it exited).
-            # Not "no-pool": the pool counts this as a failed loop, so that it
-            # fails with an error naming the address instead of starting
-            # loops that cannot connect forever.
-            return f"{proto.Reason.UNREACHABLE}: {e}"
-        # The pool is gone (closed): nothing to do.
+    except channel.Unreachable as e:
+        # Not "no-pool": the pool counts this as a failed loop, so that it
+        # fails with an error naming the address instead of starting loops
+        # that cannot connect forever.
+        return f"{proto.Reason.UNREACHABLE}: {e}"
+    except channel.ChannelError:  # the pool is gone (closed): nothing to do
         return proto.Reason.NO_POOL
 
 

@@ -259,7 +259,7 @@ class _Launch:
         token = uuid.uuid4().hex
         self._service = f"process-{token}"
         self._server = channel.get_server(
-            handle.listen_host or "127.0.0.1", security.authkey(), handle.client
+            handle.listen_host, security.authkey(), handle.client
         )
         self._server.register(self._service, self._on_connect)
         self._future: Any = None

@@ -96,7 +96,7 @@ def main() -> int:
 
     from fiber_dask import swap
 
-    _extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
+    extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
     # Under `fiber-dask run --swap-multiprocessing` the user's modules imported by
     # the unpickling below must get fiber_dask as their multiprocessing, as they do
     # on the worker (the spec arrives in the environment inherited from it).
@@ -135,7 +135,7 @@ def main() -> int:
     return proc._bootstrap(parent_sentinel=sentinel_r)
 
 
-def _extend_sys_path(encoded: str | None) -> None:
+def extend_sys_path(encoded: str | None) -> None:
     """Add the launcher's import path (as the stdlib's spawn does with its
     parent's), keeping this interpreter's own entries first."""
     if not encoded:

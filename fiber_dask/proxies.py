@@ -160,7 +160,7 @@ class _Listener(connection.Listener):
         return tls.TLSConnection.server(sock, self._context, lazy=HANDSHAKE_TIMEOUT)
 
 
-class _XmlClientWrap(connection.ConnectionWrapper):
+class XmlClientWrap(connection.ConnectionWrapper):
     """A connection speaking xmlrpc (the stdlib's XmlClient/XmlListener wrap)."""
 
     def __init__(self, conn: Any) -> None:
@@ -182,9 +182,9 @@ def _xml_loads(s: bytes) -> Any:
     return obj
 
 
-class _XmlListener(_Listener):
+class XmlListener(_Listener):
     def accept(self) -> Any:
-        return _XmlClientWrap(super().accept())
+        return XmlClientWrap(super().accept())
 
 
 managers.listener_client["fiber-pickle"] = (
@@ -192,8 +192,8 @@ managers.listener_client["fiber-pickle"] = (
     _socket_client(connection.Connection),
 )
 managers.listener_client["fiber-xmlrpc"] = (
-    _XmlListener,
-    _socket_client(_XmlClientWrap),
+    XmlListener,
+    _socket_client(XmlClientWrap),
 )
 
 

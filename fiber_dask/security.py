@@ -130,7 +130,7 @@ def mode(client: Any = None) -> tuple[Any, str | None, str]:
         return _from_client(client, "the cluster of its Pool or Process")
     from . import cluster
 
-    handle = cluster._handle
+    handle = cluster.current_handle()
     if handle is not None:
         return _from_client(handle.client, "its fiber-dask cluster handle")
     worker = _this_worker()

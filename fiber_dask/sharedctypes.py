@@ -27,7 +27,7 @@ from multiprocessing.sharedctypes import (  # noqa: F401 - the stdlib module's n
 from typing import Any
 
 from .objserver import Remote, ServedObject
-from .synchronize import Lock, RLock, _Served
+from .synchronize import Lock, RLock, ServedHandle
 
 __all__ = ["RawValue", "RawArray", "Value", "Array", "copy", "synchronized"]
 
@@ -77,7 +77,7 @@ class _CState(ServedObject):
         raise ValueError(f"unknown shared ctypes operation {op!r}")
 
 
-class _Raw(_Served):
+class _Raw(ServedHandle):
     """A lock-less handle to a ctypes object (``RawValue``/``RawArray``, or
     ``lock=False``): like the stdlib's raw ctypes object it has no
     ``get_lock``/``get_obj``."""

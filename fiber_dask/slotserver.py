@@ -243,7 +243,7 @@ def _load_environment() -> None:
     """Apply the environment the keeper sent: import path, Dask config, swap."""
     from fiber_dask import processchild, swap
 
-    processchild._extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
+    processchild.extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
     if "dask" in sys.modules:
         import dask.config
 

@@ -54,7 +54,7 @@ def _me() -> tuple:
     return (_HOST, os.getpid(), threading.get_ident())
 
 
-class _SemState(ServedObject):
+class SemaphoreState(ServedObject):
     """A counting semaphore; ``maxvalue`` bounds releases, ``recursive`` makes
     it an RLock (owner-reentrant)."""
 
@@ -238,7 +238,7 @@ class _SemState(ServedObject):
                 self.cond.notify_all()
 
 
-class _Served:
+class ServedHandle:
     """Common handle code: the state object itself in its owner, a Remote to
     it elsewhere.  ``_call(op, ...)`` is ``state.op(...)`` either way."""
 
@@ -268,7 +268,7 @@ def _rebuild(cls: type, ref: tuple, extra: dict) -> Any:
     return obj
 
 
-class Semaphore(_Served):
+class Semaphore(ServedHandle):
     """``multiprocessing.Semaphore`` usable from any process of the cluster."""
 
     _maxvalue_of_value = False
@@ -278,7 +278,7 @@ class Semaphore(_Served):
         if value < 0:
             raise ValueError("semaphore initial value must be >= 0")
         self._create(
-            _SemState(
+            SemaphoreState(
                 value, value if self._maxvalue_of_value else None, self._recursive
             )
         )
@@ -380,7 +380,7 @@ class _EventState(ServedObject):
         raise ValueError(f"unknown event operation {op!r}")
 
 
-class Event(_Served):
+class Event(ServedHandle):
     """``multiprocessing.Event`` usable from any process of the cluster."""
 
     def __init__(self, *, ctx: Any = None) -> None:
@@ -531,7 +531,7 @@ class _BarrierState(ServedObject):
         raise ValueError(f"unknown barrier operation {op!r}")
 
 
-class Barrier(_Served):
+class Barrier(ServedHandle):
     """``multiprocessing.Barrier`` usable from any process of the cluster.
 
     The ``action`` runs in the process that created the barrier (the stdlib

@@ -93,8 +93,10 @@ def test_an_impostor_server_cannot_make_the_client_trust_it():
 
 
 def test_unknown_service_is_a_connection_error(server):
-    with pytest.raises(channel.ChannelError, match="no service 'nope'"):
+    with pytest.raises(channel.ChannelError, match="no service 'nope'") as info:
         channel.connect(server.address, b"right-key", "nope")
+    # It answered: the service is gone, not the owner unreachable.
+    assert not isinstance(info.value, channel.Unreachable)
 
 
 def test_unreachable_server_is_a_connection_error_naming_the_setting():
@@ -102,7 +104,7 @@ def test_unreachable_server_is_a_connection_error_naming_the_setting():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    with pytest.raises(channel.ChannelError, match="fiber.listen-host"):
+    with pytest.raises(channel.Unreachable, match="fiber.listen-host"):
         channel.connect(("127.0.0.1", port), b"k", "echo", timeout=2)
 
 
@@ -263,7 +265,7 @@ def test_a_server_that_stalls_mid_frame_cannot_hold_a_client():
     t.start()
     try:
         t0 = time.monotonic()
-        with pytest.raises(channel.ChannelError, match="stalled"):
+        with pytest.raises(channel.Unreachable, match="stalled"):
             channel.connect(listener.getsockname(), b"right-key", "echo", timeout=1)
         assert time.monotonic() - t0 < 10
     finally:

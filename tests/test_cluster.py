@@ -18,6 +18,7 @@ import psutil
 import pytest
 from distributed import Client
 from helpers_cluster import loopback_cluster, runs_under
+from support.wait import wait_until
 
 import fiber_dask
 from fiber_dask import ClusterConnectionError, cluster
@@ -178,17 +179,18 @@ def test_embedded_cluster_starts_lazily_and_leaves_no_process(tmp_path):
     assert seen["backend"] == "local" and seen["owned"] is True
     assert seen["n"] == 2 and seen["threads"] == [1] and seen["slots"] == 2
     assert seen["scheduler"].startswith("tcp://127.0.0.1:")
-    deadline = time.monotonic() + 10
-    alive = seen["worker_pids"]
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p
-            for p in alive
-            if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.2)
-    assert alive == [], f"worker processes outlived the script: {alive}"
+
+    def exited(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(
+        lambda: all(exited(p) for p in seen["worker_pids"]),
+        10,
+        f"the script's worker processes {seen['worker_pids']} to exit with it",
+    )
 
 
 def test_unguarded_script_gets_the_stdlib_bootstrapping_error(tmp_path):
@@ -220,8 +222,8 @@ class TinyBackend(Backend):
         cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                                dashboard_address=None, host="127.0.0.1")
         client = Client(cluster, set_as_default=False)
-        return ClusterHandle(client, cluster, owned=True, backend=self.name,
-                             listen_host="127.0.0.1")
+        # No listen_host: the cluster layer decides it by the common rule.
+        return ClusterHandle(client, cluster, owned=True, backend=self.name)
 '''
 
 
@@ -250,6 +252,63 @@ def test_third_party_backend_from_entry_point(tmp_path):
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["backend"] == "tiny" and seen["owned"] is True
+
+
+class _EntryPoint:
+    """What ``importlib.metadata.entry_points`` yields: a name and a target."""
+
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+
+def test_a_backend_whose_entry_point_cannot_load_is_named_with_its_error(
+    tmp_path, monkeypatch
+):
+    import importlib.metadata
+
+    from fiber_dask import backends, config
+
+    (tmp_path / "broken_backend.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = [
+        _EntryPoint("broken", "broken_backend:Backend"),
+        _EntryPoint("missing", "fiber_dask.backends.local:NoSuchBackend"),
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: entries)
+    # Listed (its name is all validation reads), refused with the reason when chosen.
+    assert {"broken", "missing", "local"} <= set(config.available_backends())
+    with pytest.raises(config.ConfigError) as info:
+        backends.load_backend("broken")
+    message = str(info.value)
+    assert "broken = broken_backend:Backend" in message
+    assert "ModuleNotFoundError" in message and "no_such_module_here" in message
+    with pytest.raises(config.ConfigError, match="NoSuchBackend"):
+        backends.load_backend("missing")
+    assert backends.load_backend("local").__name__ == "LocalBackend"
+
+
+def test_broken_entry_point_metadata_is_reported_once_and_keeps_the_builtins(
+    monkeypatch,
+):
+    import importlib.metadata
+    import warnings
+
+    from fiber_dask import backends, config
+
+    def broken(group):
+        raise ValueError("bad entry_points.txt in some-dist")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", broken)
+    monkeypatch.setattr(backends, "_reported", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert config.available_backends() == ["address", "local"]
+        assert backends.load_backend("address").__name__ == "AddressBackend"
+        with dask.config.set({"fiber.backend": "local"}):
+            config.validate()
+    (warning,) = [w for w in seen if "entry points" in str(w.message)]
+    assert "fiber_dask.backends" in str(warning.message)
+    assert "bad entry_points.txt in some-dist" in str(warning.message)
 
 
 def test_init_and_shutdown_give_explicit_control(existing):
@@ -281,10 +340,23 @@ def test_pool_of_more_processes_than_slots_grows_the_embedded_cluster(tmp_path):
                     time.sleep(0.05)  # all three pool loops connected
                 # Three tasks that overlap in time run in three processes.
                 pids = pool.map(pid_after, [2.0] * 3, chunksize=1)
-            print(len(client.scheduler_info()["workers"]), len(set(pids)))
+            # The grown size is what the next Pool() is sized for.
+            print(len(client.scheduler_info()["workers"]), len(set(pids)),
+                  cluster.task_slots())
         """,
         tmp_path,
         {"DASK_FIBER__LOCAL__N_WORKERS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "3 3"
+    assert proc.stdout.strip().splitlines()[-1] == "3 3 3"
+
+
+def test_backend_is_abstract():
+    from fiber_dask.backends import Backend
+
+    class NoStart(Backend):
+        name = "no-start"
+
+    for cls in (Backend, NoStart):
+        with pytest.raises(TypeError, match="abstract"):
+            cls()

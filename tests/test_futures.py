@@ -4,7 +4,8 @@ Every parametrised test runs the same body against the stdlib's executor
 (forkserver context: this process runs Dask's threads, see ``conftest.py``) and
 ``fiber_dask.futures.ProcessPoolExecutor`` on the session's embedded cluster.
 Tests named ``test_fiber_*`` cover what goes beyond the stdlib (worker loss that
-is recovered, cloudpickled functions, the swap, the compatibility arguments).
+is recovered, cloudpickled functions, the compatibility arguments; the swap is
+tests/test_swap.py).
 
 Task functions live in ``helpers_futures.py`` and ``helpers.py`` because the
 stdlib's workers import them by name.  Tasks that must keep a worker busy wait
@@ -23,7 +24,6 @@ import pickle
 import signal
 import sys
 import threading
-import types
 
 import dask
 import helpers_futures as hf
@@ -35,7 +35,6 @@ from support.wait import wait_until
 
 import fiber_dask
 import fiber_dask.futures
-from fiber_dask import swap
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -448,104 +447,6 @@ def test_fiber_executor_refuses_pickling():
     with fiber_dask.futures.ProcessPoolExecutor(1) as ex:
         with pytest.raises(Exception):  # noqa: B017 - as the stdlib: not picklable
             pickle.dumps(ex)
-
-
-# ------------------------------------------------------------------- swap
-
-
-def test_fiber_swap_rebinds_modules_imported_before_it(tmp_path):
-    """A user module that imported concurrent.futures before the swap."""
-    import concurrent as real_concurrent
-
-    module = types.ModuleType("fiberswaptarget")
-    module.concurrent = real_concurrent
-    module.cf = concurrent.futures
-    module.PPE = concurrent.futures.ProcessPoolExecutor
-    module.TPE = concurrent.futures.ThreadPoolExecutor
-    module.wait = concurrent.futures.wait
-    sys.modules["fiberswaptarget"] = module
-    spec = swap.Spec(str(tmp_path / "script.py"), frozenset({"fiberswaptarget"}))
-    try:
-        swap.activate(spec)
-        assert module.PPE is fiber_dask.futures.ProcessPoolExecutor
-        assert module.cf is fiber_dask.futures
-        assert module.concurrent.futures is fiber_dask.futures
-        assert module.concurrent.futures.thread is concurrent.futures.thread
-        assert module.TPE is concurrent.futures.ThreadPoolExecutor
-        assert module.wait is concurrent.futures.wait
-        # Everyone else keeps the stdlib's.
-        assert concurrent.futures.ProcessPoolExecutor.__module__ == (
-            "concurrent.futures.process"
-        )
-    finally:
-        swap.deactivate(spec.key)
-        del sys.modules["fiberswaptarget"]
-
-
-SWAP_HELPER = """\
-import concurrent.futures
-
-
-def kind():
-    return concurrent.futures.ProcessPoolExecutor.__module__
-"""
-
-SWAP_LIBRARY = """\
-from concurrent.futures import ProcessPoolExecutor
-KIND = ProcessPoolExecutor.__module__
-"""
-
-SWAP_SCRIPT = """\
-import concurrent.futures
-import concurrent.futures as cf
-import json
-from concurrent import futures
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
-
-import helper
-
-
-def square(x):
-    return x * x
-
-
-def out(*values):
-    print("@@" + json.dumps(list(values)), flush=True)
-
-
-if __name__ == "__main__":
-    import swaplib
-    out("kinds", ProcessPoolExecutor.__module__, cf.ProcessPoolExecutor.__module__,
-        futures.ProcessPoolExecutor.__module__,
-        concurrent.futures.ProcessPoolExecutor.__module__, helper.kind())
-    out("library", swaplib.KIND, BrokenProcessPool.__module__)
-    with ProcessPoolExecutor(2) as ex:
-        fs = [ex.submit(square, i) for i in range(5)]
-        out("results", sorted(f.result() for f in as_completed(fs)),
-            list(ex.map(square, range(3))))
-"""
-
-
-def test_fiber_swap_gives_the_script_fiber_dasks_executor(tmp_path):
-    from test_cli import base_env, cli, marked, write
-
-    write(tmp_path / "app" / "helper.py", SWAP_HELPER)
-    write(tmp_path / "site" / "swaplib.py", SWAP_LIBRARY)
-    script = write(tmp_path / "app" / "legacy_futures.py", SWAP_SCRIPT)
-    paths = [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
-    env = base_env(PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    result = cli("run", "--swap-multiprocessing", script, env=env, cwd=script.parent)
-    assert result.returncode == 0, result.stderr
-    got = {e[0]: e[1:] for e in marked(result.stdout)}
-    assert got["kinds"] == ["fiber_dask.futures"] * 5
-    assert got["library"] == ["concurrent.futures.process"] * 2
-    assert got["results"] == [[0, 1, 4, 9, 16], [0, 1, 4]]
-    # Without the swap, the same script is the stdlib's.
-    plain = cli("run", script, env=env, cwd=script.parent)
-    assert plain.returncode == 0, plain.stderr
-    kinds = {e[0]: e[1:] for e in marked(plain.stdout)}["kinds"]
-    assert kinds == ["concurrent.futures.process"] * 5
 
 
 # -------------------------------------------------------------- real clients

@@ -138,19 +138,16 @@ def test_starmap_async(ctx):
 
 
 @pytest.mark.parametrize("chunksize", [1, 4], ids=["cs1", "cs4"])
-def test_imap_ordered(ctx, chunksize):
+@pytest.mark.parametrize(
+    "method, arranged",
+    [("imap", list), ("imap_unordered", sorted)],
+    ids=["in-order", "unordered-same-multiset"],
+)
+def test_imap(ctx, method, arranged, chunksize):
     with ctx.Pool(2) as pool:
-        it = pool.imap(square, range(N), chunksize)
+        it = getattr(pool, method)(square, range(N), chunksize)
         assert iter(it) is it
-        assert list(it) == SQUARES
-
-
-@pytest.mark.parametrize("chunksize", [1, 4], ids=["cs1", "cs4"])
-def test_imap_unordered_same_multiset(ctx, chunksize):
-    with ctx.Pool(2) as pool:
-        it = pool.imap_unordered(square, range(N), chunksize)
-        assert iter(it) is it
-        assert sorted(it) == SQUARES
+        assert arranged(it) == SQUARES
 
 
 def test_imap_from_generator(ctx):

@@ -24,6 +24,7 @@ import psutil
 import pytest
 from distributed import Client
 from helpers_cluster import loopback_cluster
+from support.wait import wait_for_file
 
 from fiber_dask.process import Process, active_children
 
@@ -37,14 +38,6 @@ def Proc(request):  # noqa: N802 - a class
 
 def is_fiber(cls) -> bool:
     return issubclass(cls, Process)
-
-
-def wait_for_file(path, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.005)
 
 
 def read_json(path):

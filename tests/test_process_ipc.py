@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -115,7 +116,7 @@ def test_fiber_queue_keeps_items_when_the_producer_is_killed(fiber_ctx):
     p = fiber_ctx.Process(target=slow_produce, args=(q, 10_000))
     p.start()
     first = q.get(timeout=30)
-    time.sleep(0.3)
+    wait_until(lambda: q.qsize() > 5, 30, "the producer to put more than 6 items")
     os.kill(p.pid, signal.SIGKILL)
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
@@ -178,7 +179,8 @@ def put_pid(q):
     q.put(os.getpid())
 
 
-def busy_until(path):
+def busy_until(path, started):
+    open(started, "w").close()
     while not os.path.exists(path):
         time.sleep(0.01)
     return os.getpid()
@@ -187,8 +189,11 @@ def busy_until(path):
 def test_fiber_process_starts_while_pool_loops_hold_every_slot(fiber_ctx, tmp_path):
     stop = str(tmp_path / "stop")
     with fiber_ctx.Pool(2) as pool:
-        busy = [pool.apply_async(busy_until, (stop,)) for _ in range(2)]
-        time.sleep(0.5)
+        started = [str(tmp_path / f"started-{i}") for i in range(2)]
+        busy = [pool.apply_async(busy_until, (stop, s)) for s in started]
+        wait_until(
+            lambda: all(map(os.path.exists, started)), 30, "both pool tasks to start"
+        )
         q = fiber_ctx.Queue()
         p = fiber_ctx.Process(target=put_pid, args=(q,))
         p.start()

@@ -447,8 +447,12 @@ def test_feeder_threads_end_with_their_queue_handles(fiber_ctx):
         for i in range(30):
             pool.apply(_put_once, (q, i))
         assert sorted(q.get(timeout=10) for _ in range(30)) == list(range(30))
-        time.sleep(2.5)  # handles are garbage; their feeders notice within 1 s
-        assert pool.apply(_feeder_threads) <= 2
+        # The handles are garbage; their feeders notice within about 1 s.
+        wait_until(
+            lambda: pool.apply(_feeder_threads) <= 2,
+            10,
+            "the feeder threads of the collected queue handles to end",
+        )
 
 
 def _take_three_then_idle(q):
@@ -463,9 +467,7 @@ def test_an_idle_consumer_gives_back_its_lease(fiber_ctx):
         q.put(i)
     with fiber_ctx.Pool(1) as pool:
         res = pool.apply_async(_take_three_then_idle, (q,))
-        deadline = time.monotonic() + 30
-        while q.qsize() == 500 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: q.qsize() < 500, 30, "the consumer to take its items")
         # The owner gets the other 497 while the consumer idles with its lease.
         mine = [q.get(timeout=2) for _ in range(497)]
         theirs = res.get(timeout=30)

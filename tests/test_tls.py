@@ -27,7 +27,7 @@ import pytest
 from distributed.security import Security
 from support.wait import wait_until
 
-from fiber_dask import channel, gate, objserver, tls
+from fiber_dask import channel, cluster, gate, objserver, tls
 from fiber_dask import security as fiber_security
 from fiber_dask.errors import TLSConnectionError
 
@@ -313,7 +313,8 @@ def test_the_wire_carries_the_data_only_under_tls_encrypted(pinned, security, us
         assert reply == marker + b"-hello" + marker + b"-payload" * 1000
         assert echoed.wait(5)
         conn.close()
-        time.sleep(0.1)
+        # The relay records what it forwards before forwarding it: the reply
+        # has come back, so the whole exchange is recorded.
         with relay.lock:
             wire = bytes(relay.wire)
         assert len(wire) > 8000  # the relay saw the whole exchange
@@ -469,7 +470,7 @@ def test_queue_holder_over_tls_acknowledges_through_tls(pinned, monkeypatch):
     from fiber_dask.queues import Queue
 
     monkeypatch.setattr(objserver, "_object_server", None)
-    monkeypatch.setattr(objserver, "listen_host", lambda: "127.0.0.1")
+    monkeypatch.setattr(cluster, "listen_host", lambda *a, **k: "127.0.0.1")
     q = Queue()
     assert objserver._object_server.server.context is not None
     holder = Queue.__new__(Queue)
@@ -508,8 +509,7 @@ def test_manager_speaks_tls_in_its_owners_mode(pinned, security, use_tls):
             d["k"] = marker * 20
             assert manager.dict(d)["k"] == marker * 20  # a proxy as an argument
             assert d["k"] == marker * 20
-            time.sleep(0.1)
-            with relay.lock:
+            with relay.lock:  # recorded before forwarded: the replies are in
                 wire = bytes(relay.wire)
             assert len(wire) > 1000
             assert (marker.encode() in wire) is not use_tls

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
+import abc
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-__all__ = ["Backend", "ClusterHandle", "connect", "route_host"]
+__all__ = ["Backend", "ClusterHandle", "connect"]
 
 
 @dataclass
@@ -21,12 +21,16 @@ class ClusterHandle:
     cluster: Any = None
     owned: bool = False
     backend: str = "address"
+    #: The interface this process's endpoints listen on for this cluster
+    #: (:func:`fiber_dask.backends.address.listen_host`); the cluster layer
+    #: fills it in if a backend leaves it None.
     listen_host: str | None = None
     #: Task slots the backend sized the cluster for (its fixed size, or the
     #: adaptive maximum), known before any worker has joined; None if unknown.
     planned_slots: int | None = None
-    #: For owned clusters that are not a ``SpecCluster`` (Kubernetes): called with
-    #: the number of task slots needed at once, grows the cluster if it is smaller.
+    #: For owned clusters of a fixed size: called with the number of task slots
+    #: needed at once, grows the cluster if it is smaller (and raises
+    #: ``planned_slots`` to match).
     grow: Callable[[int], None] | None = None
     #: For batch-job clusters (dask-jobqueue): lists the jobs, one dict each
     #: (``name``, ``id``, ``state``, ``workers``), for ``fiber-dask info``.
@@ -74,14 +78,22 @@ def _close_workers_first(cluster: Any, timeout: float | None) -> None:
         pass
 
 
-class Backend:
-    """Base class of a backend.  Subclasses set ``name`` and implement ``start``."""
+class Backend(abc.ABC):
+    """Base class of a backend: subclasses set ``name`` and implement ``start``.
+
+    What the cluster layer needs from a cluster is in the handle ``start``
+    returns, not read from the backend's config by the cluster layer: its
+    listen host (decide it with :func:`fiber_dask.backends.address.listen_host`),
+    and for a cluster the backend started (``owned``) the task slots it is sized
+    for (``planned_slots``) and, unless it scales adaptively, a ``grow`` hook
+    that ``Pool(processes=N)`` calls so that N tasks fit at once.
+    """
 
     name: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def start(self, *, address: str | None = None) -> ClusterHandle:
         """Start or attach to a cluster and return a connected handle."""
-        raise NotImplementedError
 
 
 def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
@@ -103,23 +115,3 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
         raise ClusterConnectionError(failure(timeout, e)) from e
     client._fiber_created = True
     return client
-
-
-def route_host(address: str) -> str:
-    """The local IP address this host uses to reach ``address`` (a Dask URI).
-
-    The direct channel listens there, so workers that can reach the scheduler
-    can reach us, and nothing listens on other interfaces.
-    """
-    from distributed.comm import get_address_host
-
-    host = get_address_host(address)
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return "127.0.0.1" if ":" not in host else host
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))  # UDP connect sends nothing; it picks a route
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())

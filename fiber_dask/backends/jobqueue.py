@@ -49,7 +49,8 @@ import dask
 
 from .. import config
 from ..errors import ClusterConnectionError
-from .base import Backend, ClusterHandle, connect, route_host
+from .address import listen_host
+from .base import Backend, ClusterHandle, connect
 
 __all__ = [
     "JobQueueBackend",
@@ -624,8 +625,7 @@ class JobQueueBackend(Backend):
             cluster,
             owned=True,
             backend=self.name,
-            listen_host=config.get("listen-host")
-            or route_host(client.scheduler.address),
+            listen_host=listen_host(client.scheduler.address),
             planned_slots=planned,
         )
         handle.jobs = lambda: list_jobs(self.name, cluster)

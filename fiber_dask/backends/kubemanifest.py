@@ -176,13 +176,13 @@ def effective_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
         for p in e.problems:
             for ours, theirs in taken.items():
                 if p.key == ours or p.key.startswith(ours + "."):
-                    where = config._find_source(theirs.split("."), p.value, ())
+                    where = config.find_source(theirs.split("."), p.value, ())
                     if where.startswith("set in code"):
                         where = "dask-kubernetes' config"
                     p = p._replace(source=f"{theirs} ({where})")
                     break
             problems.append(p)
-        raise ConfigError(config._describe_problems(problems), problems) from None
+        raise ConfigError(config.describe_problems(problems), problems) from None
 
 
 def _dask_kubernetes_defaults() -> dict[str, Any]:
@@ -608,8 +608,8 @@ def _prune(obj: Any) -> Any:
 
 
 def _problem(key: str, value: Any, reason: str, allowed: str) -> Problem:
-    return config._problem(["fiber", *key.split(".")], value, reason, allowed)
+    return config.make_problem(["fiber", *key.split(".")], value, reason, allowed)
 
 
 def _error(problems: list[Problem]) -> ConfigError:
-    return ConfigError(config._describe_problems(problems), problems)
+    return ConfigError(config.describe_problems(problems), problems)

@@ -31,7 +31,8 @@ from typing import Any
 
 from .. import config
 from ..errors import ClusterConnectionError
-from .base import Backend, ClusterHandle, connect, route_host
+from .address import listen_host
+from .base import Backend, ClusterHandle, connect
 from .kubemanifest import effective_config, plan, require_dask_kubernetes
 
 __all__ = ["KubernetesBackend", "OWNER_ANNOTATION"]
@@ -202,11 +203,10 @@ def _client(cluster: Any) -> Any:
 
 
 def _listen_host(client: Any) -> str:
-    host = config.get("listen-host")
-    if host:
-        return host
-    host = route_host(client.scheduler.address)
-    if host.startswith("127.") or host == "::1":
+    """:func:`~fiber_dask.backends.address.listen_host`, with a warning when it
+    chose a loopback address that worker pods cannot reach."""
+    host = listen_host(client.scheduler.address)
+    if not config.get("listen-host") and (host.startswith("127.") or host == "::1"):
         logger.warning(
             "fiber-dask: the scheduler is reached at a loopback address (%s, a "
             "port-forward?), so pools, processes and queues listen on %s, where "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .. import config
+from .address import listen_host
 from .base import Backend, ClusterHandle
 
 __all__ = ["LocalBackend"]
@@ -62,12 +64,32 @@ class LocalBackend(Backend):
         except BaseException:
             cluster.close()
             raise
-        host = config.get("listen-host") or "127.0.0.1"
+        host = listen_host(cluster.scheduler_address)  # 127.0.0.1 unless configured
+        # Pool() sizes itself for what the cluster is started with, or what
+        # adaptive scaling may start, not for the workers already running.
         handle = ClusterHandle(
-            client, cluster, owned=True, backend=self.name, listen_host=host
+            client,
+            cluster,
+            owned=True,
+            backend=self.name,
+            listen_host=host,
+            planned_slots=(maximum if adaptive else n_workers) * threads,
         )
-        if adaptive:
-            # Pool() sizes itself for what adaptive scaling may start, not for the
-            # minimum that is running when it is created.
-            handle.planned_slots = maximum * threads
+        if not adaptive:
+            handle.grow = _Grower(handle, cluster, threads)
         return handle
+
+
+class _Grower:
+    """``Pool(processes=N)`` on the fixed-size embedded cluster: add worker
+    processes (never remove any) so that N tasks run at once, as the stdlib
+    starts N processes."""
+
+    def __init__(self, handle: ClusterHandle, cluster: Any, threads: int) -> None:
+        self.handle, self.cluster, self.threads = handle, cluster, threads
+
+    def __call__(self, slots: int) -> None:
+        want = -(-slots // self.threads)
+        if len(self.cluster.worker_spec) < want:
+            self.cluster.scale(want)
+            self.handle.planned_slots = want * self.threads

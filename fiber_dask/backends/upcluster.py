@@ -120,6 +120,7 @@ def running_handle() -> Any:
     state = read_state()
     if state is None:
         return None
+    from .address import listen_host
     from .base import ClusterHandle, connect
 
     client = connect(
@@ -132,7 +133,11 @@ def running_handle() -> Any:
         ),
     )
     return ClusterHandle(
-        client, None, owned=False, backend="up", listen_host="127.0.0.1"
+        client,
+        None,
+        owned=False,
+        backend="up",
+        listen_host=listen_host(state.address),  # 127.0.0.1 unless configured
     )
 
 

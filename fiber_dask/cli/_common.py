@@ -166,7 +166,7 @@ def describe_config_error(error: Any, flags: Mapping[str, str] | None = None) ->
     if not problems:
         return str(error)
     flags = flags or {}
-    return config._describe_problems(
+    return config.describe_problems(
         [p._replace(source=flags.get(p.key, p.source)) for p in problems]
     )
 
