@@ -52,11 +52,125 @@ def _preload() -> None:
     import fiber_dask.slots  # noqa: F401
     import fiber_dask.swap  # noqa: F401
 
+    # The first getaddrinfo() on a str host imports the idna codec and compiles
+    # its regexes: 5-10 ms in every slot process's connect, were it left to them.
+    "localhost".encode("idna")
     try:
         import numpy  # noqa: F401
         import numpy.random  # noqa: F401  (lazy in numpy 2; each slot reseeds it)
     except ImportError:
         pass
+
+
+class _Waiting:
+    """A forked slot process that has set itself up and waits for its spec."""
+
+    def __init__(self, pid: int, spec_w: int, reason_r: int) -> None:
+        self.pid, self.spec_w, self.reason_r = pid, spec_w, reason_r
+
+
+class _Server:
+    """The template's state: its slot processes, its spare, its pipes."""
+
+    def __init__(self, request_fd: int, report_fd: int, sig_r: int, sig_w: int):
+        from fiber_dask.slots import write_frame
+
+        self.write_frame = write_frame
+        self.report_fd = report_fd
+        self.own_fds = [request_fd, report_fd, sig_r, sig_w]
+        self.children: dict[int, tuple[int, int]] = {}  # pid -> (request id, reason fd)
+        self.spare: _Waiting | None = None
+        self.me = os.getpid()
+
+    def fork_waiting(self) -> _Waiting:
+        """Fork a slot process that sets itself up, then waits for its spec."""
+        spec_r, spec_w = os.pipe()
+        reason_r, reason_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (spec_r, spec_w, reason_r, reason_w):
+                os.close(fd)
+            raise
+        if pid == 0:
+            code = 1
+            try:
+                close = self.own_fds + [fd for _, fd in self.children.values()]
+                if self.spare is not None:
+                    close += [self.spare.spec_w, self.spare.reason_r]
+                code = _child(self.me, close + [spec_w, reason_r], spec_r, reason_w)
+            finally:
+                os._exit(code)  # never return into the template's loop
+        os.close(spec_r)
+        os.close(reason_w)
+        return _Waiting(pid, spec_w, reason_r)
+
+    def refill(self) -> None:
+        """Keep one spare forked ahead, so that a slot start (and a
+        ``maxtasksperchild`` restart) is a hand-over, not a fork and setup."""
+        if self.spare is None:
+            try:
+                self.spare = self.fork_waiting()
+            except OSError:
+                pass  # fork at the next request instead
+
+    def start(self, rid: int, blob: bytes) -> None:
+        """Answer a ``("fork", rid, blob)`` request: hand ``blob`` to the spare,
+        or to a process forked now when there is none (or it died)."""
+        for _ in range(2):
+            proc, self.spare = self.spare, None
+            if proc is None:
+                try:
+                    proc = self.fork_waiting()
+                except OSError as e:
+                    self.write_frame(
+                        self.report_fd, ("failed", rid, f"fork failed: {e}")
+                    )
+                    return
+            try:
+                _write_all(proc.spec_w, blob)
+            except OSError:
+                # The spare died (or was killed) before its hand-over: it is
+                # reaped as a stranger; try a fresh one.
+                os.close(proc.reason_r)
+                continue
+            finally:
+                os.close(proc.spec_w)
+            self.children[proc.pid] = (rid, proc.reason_r)
+            self.write_frame(self.report_fd, ("started", rid, proc.pid))
+            return
+        self.write_frame(self.report_fd, ("failed", rid, "slot processes die at start"))
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.spare is not None and pid == self.spare.pid:
+                os.close(self.spare.spec_w)
+                os.close(self.spare.reason_r)
+                self.spare = None  # forked again at the next request
+                continue
+            entry = self.children.pop(pid, None)
+            if entry is None:
+                continue
+            rid, reason_fd = entry
+            code = os.waitstatus_to_exitcode(status)
+            reason = _read_reason(reason_fd)
+            self.write_frame(self.report_fd, ("exit", rid, code, reason))
+
+    def kill_all(self) -> None:
+        pids = list(self.children)
+        if self.spare is not None:
+            pids.append(self.spare.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def main() -> int:
@@ -72,7 +186,7 @@ def main() -> int:
     os.close(devnull)
     _preload()
 
-    from fiber_dask.slots import FrameReader, write_frame
+    from fiber_dask.slots import FrameReader
 
     # SIGCHLD wakes the select through the wakeup fd, as in the stdlib's
     # forkserver: the template never blocks in waitpid.
@@ -81,11 +195,10 @@ def main() -> int:
     os.set_blocking(sig_w, False)
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)
-    own_fds = [request_fd, report_fd, sig_r, sig_w]
-    children: dict[int, tuple[int, int]] = {}  # pid -> (request id, reason fd)
+    server = _Server(request_fd, report_fd, sig_r, sig_w)
     reader = FrameReader(request_fd)
-    me = os.getpid()
     try:
+        server.refill()
         while True:
             try:
                 ready, _, _ = select.select([request_fd, sig_r], [], [])
@@ -97,7 +210,7 @@ def main() -> int:
                         pass
                 except BlockingIOError:
                     pass
-            _reap(children, report_fd, write_frame)
+            server.reap()
             if request_fd not in ready:
                 continue
             try:
@@ -107,51 +220,31 @@ def main() -> int:
             if msgs is None:
                 return 0  # the Dask worker is gone or let us go
             for kind, rid, blob in msgs:
-                if kind != "fork":
-                    continue
-                reason_r, reason_w = os.pipe()
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    os.close(reason_r)
-                    os.close(reason_w)
-                    write_frame(report_fd, ("failed", rid, f"fork failed: {e}"))
-                    continue
-                if pid == 0:
-                    code = 1
-                    try:
-                        close = own_fds + [fd for _, fd in children.values()]
-                        code = _child(blob, me, close + [reason_r], reason_w)
-                    finally:
-                        os._exit(code)  # never return into the template's loop
-                os.close(reason_w)
-                children[pid] = (rid, reason_r)
-                write_frame(report_fd, ("started", rid, pid))
+                if kind == "fork":
+                    server.start(rid, blob)
+            # After the answers: the next spare's fork never delays a start.
+            server.refill()
     finally:
-        # Slot processes die with us by PDEATHSIG; say it explicitly too (and
-        # for platforms without it).
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        # Slot processes (and the spare) die with us by PDEATHSIG, the spare
+        # also by EOF on its spec pipe; say it explicitly too (and for
+        # platforms without PDEATHSIG).
+        server.kill_all()
 
 
-def _reap(children: dict, report_fd: int, write_frame) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        entry = children.pop(pid, None)
-        if entry is None:
-            continue
-        rid, reason_fd = entry
-        code = os.waitstatus_to_exitcode(status)
-        reason = _read_reason(reason_fd)
-        write_frame(report_fd, ("exit", rid, code, reason))
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def _read_reason(fd: int) -> str | None:
@@ -175,11 +268,11 @@ def _read_reason(fd: int) -> str | None:
 # ---------------------------------------------------------------- slot process
 
 
-def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) -> int:
-    """Become a slot process and serve the pool; the process's exit code."""
+def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) -> int:
+    """Become a slot process: set up, wait for the spec on ``spec_r`` (at once,
+    or later as the template's spare), serve the pool; the exit code."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     for fd in close_fds:
         try:
             os.close(fd)
@@ -194,6 +287,16 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
     # the Dask worker's stderr, where its log is.
     faulthandler.enable()
 
+    # SIGINT stays ignored while this waits as a spare (Ctrl-C in a terminal
+    # is not for it); EOF without a spec: the template is gone or let it go.
+    try:
+        blob = _read_all(spec_r)
+    except OSError:
+        blob = b""
+    os.close(spec_r)
+    if not blob:
+        return 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     spec = pickle.loads(blob)
     os.environ.clear()
     os.environ.update(spec.env)
