@@ -83,6 +83,7 @@ when the fork itself failed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -91,9 +92,18 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SlotSpec", "keep", "get_template", "warm_up", "TERMINATE_GRACE"]
+__all__ = [
+    "SlotSpec",
+    "keep",
+    "get_template",
+    "warm_up",
+    "early_templates",
+    "start_early",
+    "TERMINATE_GRACE",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +319,70 @@ def get_template() -> Template:
         return _template
 
 
+#: Set (to "1") in the environment the embedded cluster's Dask worker
+#: processes are spawned with: "start your template as fiber_dask is imported".
+EARLY_ENV = "FIBER_DASK_EARLY_SLOT_TEMPLATE"
+
+#: ``multiprocessing`` names a Nanny's worker process so (distributed.nanny);
+#: with the environment variable it tells such a process from any other child.
+_NANNY_WORKER_NAME = "Dask Worker process (from Nanny)"
+
+
+@contextlib.contextmanager
+def early_templates() -> Iterator[None]:
+    """Around the start of the embedded cluster: its Dask worker processes,
+    spawned meanwhile, start their slot template as soon as they import
+    fiber_dask (:func:`start_early`), instead of at their ``dask_setup``.
+
+    A spawned worker imports the user's main module (which imports fiber_dask)
+    ~1-2 s before it has imported distributed and runs its preloads; the
+    template's interpreter and imports (~0.5 s of CPU) then overlap the
+    worker's own start instead of following it, and the first ``Pool()``
+    result no longer waits for them.  Only the processes spawned inside this
+    block see the variable, and each worker removes it from its environment.
+    """
+    old = os.environ.get(EARLY_ENV)
+    os.environ[EARLY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(EARLY_ENV, None)
+        else:
+            os.environ[EARLY_ENV] = old
+
+
+#: Whether this process's template was started by :func:`start_early`.
+started_early = False
+
+
+def start_early() -> None:
+    """Called as this module is imported (first thing in fiber_dask's
+    ``__init__``): in a Dask worker process spawned by
+    :func:`early_templates`'s cluster, start the slot template now (in a thread
+    of its own, returning once the template process is forked, ~10 ms).
+
+    Only where the main module imports fiber_dask at its top level, as
+    ``import fiber_dask as multiprocessing`` does; elsewhere
+    :func:`dask_setup` starts it.  The template then has the environment the
+    worker process was spawned with (``distributed.nanny.pre-spawn-environ``
+    included, not ``distributed.nanny.environ``, which the worker applies
+    later); a slot process still gets its worker's whole environment.
+    """
+    if os.environ.pop(EARLY_ENV, None) != "1":
+        return
+    import multiprocessing
+
+    if multiprocessing.current_process().name != _NANNY_WORKER_NAME:
+        return
+    global started_early
+    try:
+        get_template()
+        started_early = True
+    except OSError:
+        logger.debug("fiber-dask: cannot start the slot template", exc_info=True)
+
+
 async def warm_up(dask_worker: Any = None) -> None:
     """Start this worker's template now, so the first slot need not wait for
     its interpreter and imports (``client.run(warm_up, wait=False)``: a
@@ -409,3 +483,6 @@ def _describe(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+start_early()  # a no-op but in a worker process spawned by early_templates()

@@ -10,6 +10,7 @@ conditions, never on timers.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -583,3 +584,49 @@ def test_a_slot_start_hands_over_the_pre_forked_spare():
         owner.close()
     template.thread.join(30)
     assert template.dead
+
+
+EARLY_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import os
+    import fiber_dask  # at the top, as `import fiber_dask as multiprocessing`
+    from fiber_dask import slots
+
+    def probe(_=None):
+        return os.environ.get(slots.EARLY_ENV)
+
+    if __name__ == "__main__":
+        import dask
+
+        dask.config.set({"fiber.local.n-workers": 1})
+        client = fiber_dask.get_client()
+        early = client.run(lambda: slots.started_early)
+        with fiber_dask.Pool(1) as pool:
+            env = pool.apply(probe)
+        print(json.dumps([list(early.values()), env, os.environ.get(slots.EARLY_ENV)]))
+        fiber_dask.shutdown()
+    """
+)
+
+
+def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
+    tmp_path,
+):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr
+    early, env_in_slot, env_in_driver = json.loads(out.stdout.splitlines()[-1])
+    # The worker started its template from start_early(), not dask_setup; the
+    # variable that told it to neither reached the slot process nor stayed in
+    # the driver.
+    assert early == [True], out.stdout
+    assert (env_in_slot, env_in_driver) == (None, None), out.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .. import config
@@ -27,6 +28,7 @@ class LocalBackend(Backend):
         adaptive = config.get("adaptive.enabled")
         maximum = config.get("adaptive.maximum") or n_workers
         extra = {}
+        early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
             # Each worker starts its pool-slot template process as it starts
             # (fiber_dask.slots.dask_setup), while the cluster comes up, so the
@@ -35,16 +37,22 @@ class LocalBackend(Backend):
 
             preload = list(dask.config.get("distributed.worker.preload") or [])
             extra["preload"] = [*preload, "fiber_dask.slots"]
-        cluster = LocalCluster(
-            n_workers=0 if adaptive else n_workers,
-            threads_per_worker=threads,
-            processes=True,
-            memory_limit=config.get("local.memory-limit"),
-            dashboard_address=config.get("local.dashboard-address"),
-            host="127.0.0.1",
-            scheduler_port=0,
-            **extra,
-        )
+            # Earlier still where the workers import fiber_dask with the main
+            # module (fiber_dask.slots.early_templates).
+            from ..slots import early_templates
+
+            early = early_templates()
+        with early:
+            cluster = LocalCluster(
+                n_workers=0 if adaptive else n_workers,
+                threads_per_worker=threads,
+                processes=True,
+                memory_limit=config.get("local.memory-limit"),
+                dashboard_address=config.get("local.dashboard-address"),
+                host="127.0.0.1",
+                scheduler_port=0,
+                **extra,
+            )
         try:
             if adaptive:
                 cluster.adapt(
