@@ -35,11 +35,20 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   (1.3-2.7 s at load 20), again at every ``maxtasksperchild`` restart.  A fork
   of the single-threaded, preloaded template is connected to its pool in
   ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
-  once per Dask worker: on the embedded cluster as the worker starts (the
-  ``dask_setup`` preload below, in parallel with the rest of the cluster
-  coming up), elsewhere by the first keeper on that worker.  What a fork does
-  before connecting was measured too: a full ``dask.config.refresh()`` (20 ms)
-  and numpy 2's lazy ``numpy.random`` import (8 ms) were moved out of it.
+  once per Dask worker: on the embedded cluster as the worker process imports
+  the user's main module, if that imports fiber_dask (:func:`early_templates`,
+  :func:`start_early`: 1-2 s before the worker has imported distributed),
+  else at its ``dask_setup`` preload below; elsewhere by the first keeper on
+  that worker.  What a fork does before connecting was measured too: a full
+  ``dask.config.refresh()`` (20 ms), numpy 2's lazy ``numpy.random`` import
+  (8 ms) and the idna codec's import in the first ``getaddrinfo`` (5-10 ms)
+  were moved out of it.
+* **A spare forked ahead.**  The template keeps one slot process forked and
+  set up (signals, fds, ``PR_SET_PDEATHSIG``, faulthandler) that waits for
+  its :class:`SlotSpec` on a pipe; a fork request hands the spec to it and
+  forks the next spare after answering.  A slot start and a
+  ``maxtasksperchild`` restart are then a hand-over plus the connect.  The
+  spare dies with the template (PDEATHSIG, and EOF on its spec pipe).
 * **Tasks get their core and GIL back** (``benchmarks/cpushare.py``, CPU
   accounting that other load on the machine does not skew): with thread slots
   the Dask worker's other threads (event loop, heartbeats, the 10 ms sampling

@@ -3,8 +3,9 @@
 Started by :class:`fiber_dask.slots.Template` in a Dask worker (the why, the
 picture and the pipe protocol are in :mod:`fiber_dask.slots`).  It preloads
 what every slot process needs (cloudpickle, fiber_dask's pool-worker code,
-numpy if it is installed), then, single-threaded, forks one slot process per
-``("fork", id, spec)`` read from stdin and reports on ``REPORT_FD`` its pid and,
+numpy if it is installed), then, single-threaded, starts one slot process per
+``("fork", id, spec)`` read from stdin (handing the spec to the spare it keeps
+forked ahead, or forking one now) and reports on ``REPORT_FD`` its pid and,
 once reaped, its exit status and the reason its loop returned.  EOF on stdin
 (the Dask worker is gone, or let it go) ends the template, and its slot
 processes with it.
