@@ -87,7 +87,10 @@ template → keeper: ``("started", id, pid)``, ``("exit", id, code, reason)``
 with ``code`` as :attr:`subprocess.Popen.returncode` (``-N`` for signal N) and
 ``reason`` the string :func:`fiber_dask.poolworker.serve_slot` returned, or
 None when the slot process died before returning one; ``("failed", id, error)``
-when the fork itself failed.
+when the fork itself failed; ``("restarted", id, pid)`` when the slot process
+of ``id`` returned ``"recycled"`` (``maxtasksperchild``) and the template
+started its successor with the same spec at once (then no ``"exit"`` is sent
+for the old one; the keeper keeps waiting for the new one's).
 """
 
 from __future__ import annotations
@@ -276,12 +279,13 @@ class Template:
     def _on_report(self, msg: tuple) -> None:
         kind, rid = msg[0], msg[1]
         with self.lock:
-            fork = (
-                self.forks.get(rid) if kind == "started" else self.forks.pop(rid, None)
-            )
+            if kind in ("started", "restarted"):
+                fork = self.forks.get(rid)
+            else:
+                fork = self.forks.pop(rid, None)
         if fork is None:
             return
-        if kind == "started":
+        if kind in ("started", "restarted"):
             fork.pid = msg[2]
             fork.started.set()
         elif kind == "exit":
@@ -442,8 +446,8 @@ def keep(
     Returns why the slot ended, as :func:`fiber_dask.poolworker.serve_slot`
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
     ``"slot process died: ..."`` when it crashed.  A slot process retired by
-    ``maxtasksperchild`` (``"recycled"``) is replaced here, without a new Dask
-    task.
+    ``maxtasksperchild`` (``"recycled"``) is replaced without a new Dask task:
+    by the template at once (``"restarted"``), or here when that failed.
     """
     from .launcher import child_env
 
@@ -473,7 +477,7 @@ def keep(
         # early could leave a slot process it no longer keeps.
         f.done.wait()
         if f.reason == "recycled":
-            continue  # maxtasksperchild: a fresh process, at once
+            continue  # maxtasksperchild, the template could not restart it
         if f.reason is not None:
             return f.reason
         if f.error is not None:

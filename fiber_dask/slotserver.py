@@ -70,6 +70,15 @@ class _Waiting:
         self.pid, self.spec_w, self.reason_r = pid, spec_w, reason_r
 
 
+class _Slot:
+    """A slot process serving a request: what the template knows of it."""
+
+    def __init__(self, rid: int, reason_fd: int, blob: bytes) -> None:
+        self.rid, self.blob = rid, blob
+        self.reason_fd: int | None = reason_fd  # None once read to EOF
+        self.reason = b""
+
+
 class _Server:
     """The template's state: its slot processes, its spare, its pipes."""
 
@@ -79,7 +88,8 @@ class _Server:
         self.write_frame = write_frame
         self.report_fd = report_fd
         self.own_fds = [request_fd, report_fd, sig_r, sig_w]
-        self.children: dict[int, tuple[int, int]] = {}  # pid -> (request id, reason fd)
+        self.children: dict[int, _Slot] = {}
+        self.retired: set[int] = set()  # replaced after "recycled", not yet reaped
         self.spare: _Waiting | None = None
         self.me = os.getpid()
 
@@ -96,7 +106,7 @@ class _Server:
         if pid == 0:
             code = 1
             try:
-                close = self.own_fds + [fd for _, fd in self.children.values()]
+                close = self.own_fds + self.reason_fds()
                 if self.spare is not None:
                     close += [self.spare.spec_w, self.spare.reason_r]
                 code = _child(self.me, close + [spec_w, reason_r], spec_r, reason_w)
@@ -105,6 +115,9 @@ class _Server:
         os.close(spec_r)
         os.close(reason_w)
         return _Waiting(pid, spec_w, reason_r)
+
+    def reason_fds(self) -> list[int]:
+        return [c.reason_fd for c in self.children.values() if c.reason_fd is not None]
 
     def refill(self) -> None:
         """Keep one spare forked ahead, so that a slot start (and a
@@ -115,19 +128,16 @@ class _Server:
             except OSError:
                 pass  # fork at the next request instead
 
-    def start(self, rid: int, blob: bytes) -> None:
-        """Answer a ``("fork", rid, blob)`` request: hand ``blob`` to the spare,
-        or to a process forked now when there is none (or it died)."""
+    def hand_over(self, blob: bytes) -> _Waiting | str:
+        """A slot process running ``blob``: the spare, or one forked now when
+        there is none (or it died); the error text if none can start."""
         for _ in range(2):
             proc, self.spare = self.spare, None
             if proc is None:
                 try:
                     proc = self.fork_waiting()
                 except OSError as e:
-                    self.write_frame(
-                        self.report_fd, ("failed", rid, f"fork failed: {e}")
-                    )
-                    return
+                    return f"fork failed: {e}"
             try:
                 _write_all(proc.spec_w, blob)
             except OSError:
@@ -137,10 +147,44 @@ class _Server:
                 continue
             finally:
                 os.close(proc.spec_w)
-            self.children[proc.pid] = (rid, proc.reason_r)
-            self.write_frame(self.report_fd, ("started", rid, proc.pid))
+            return proc
+        return "slot processes die at start"
+
+    def start(self, rid: int, blob: bytes) -> None:
+        """Answer a ``("fork", rid, blob)`` request."""
+        proc = self.hand_over(blob)
+        if isinstance(proc, str):
+            self.write_frame(self.report_fd, ("failed", rid, proc))
             return
-        self.write_frame(self.report_fd, ("failed", rid, "slot processes die at start"))
+        self.children[proc.pid] = _Slot(rid, proc.reason_r, blob)
+        self.write_frame(self.report_fd, ("started", rid, proc.pid))
+
+    def read_reasons(self, ready: list[int]) -> None:
+        """Read the reasons slot processes wrote as their loop returned.  A
+        slot retired by ``maxtasksperchild`` (``"recycled"``) is replaced at
+        once, before it has even exited, with the same spec, and reported as
+        ``("restarted", id, pid)``: no round trip through the keeper."""
+        for pid, c in list(self.children.items()):
+            if c.reason_fd is None or c.reason_fd not in ready:
+                continue
+            try:
+                data = os.read(c.reason_fd, 4096)
+            except OSError:
+                data = b""
+            if data:
+                c.reason += data
+                continue
+            os.close(c.reason_fd)
+            c.reason_fd = None
+            if c.reason != b"recycled":
+                continue  # reported once reaped, with its exit status
+            proc = self.hand_over(c.blob)
+            if isinstance(proc, str):
+                continue  # reported once reaped: the keeper asks again
+            del self.children[pid]
+            self.retired.add(pid)
+            self.children[proc.pid] = _Slot(c.rid, proc.reason_r, c.blob)
+            self.write_frame(self.report_fd, ("restarted", c.rid, proc.pid))
 
     def reap(self) -> None:
         while True:
@@ -155,16 +199,19 @@ class _Server:
                 os.close(self.spare.reason_r)
                 self.spare = None  # forked again at the next request
                 continue
-            entry = self.children.pop(pid, None)
-            if entry is None:
+            self.retired.discard(pid)
+            c = self.children.pop(pid, None)
+            if c is None:
                 continue
-            rid, reason_fd = entry
             code = os.waitstatus_to_exitcode(status)
-            reason = _read_reason(reason_fd)
-            self.write_frame(self.report_fd, ("exit", rid, code, reason))
+            reason = c.reason
+            if c.reason_fd is not None:
+                reason += _read_reason(c.reason_fd)
+            text = reason.decode("utf-8", "replace") if reason else None
+            self.write_frame(self.report_fd, ("exit", c.rid, code, text))
 
     def kill_all(self) -> None:
-        pids = list(self.children)
+        pids = [*self.children, *self.retired]
         if self.spare is not None:
             pids.append(self.spare.pid)
         for pid in pids:
@@ -202,7 +249,9 @@ def main() -> int:
         server.refill()
         while True:
             try:
-                ready, _, _ = select.select([request_fd, sig_r], [], [])
+                ready, _, _ = select.select(
+                    [request_fd, sig_r, *server.reason_fds()], [], []
+                )
             except InterruptedError:
                 continue
             if sig_r in ready:
@@ -211,18 +260,18 @@ def main() -> int:
                         pass
                 except BlockingIOError:
                     pass
+            server.read_reasons(ready)
             server.reap()
-            if request_fd not in ready:
-                continue
-            try:
-                msgs = reader.read()
-            except OSError:
-                msgs = None
-            if msgs is None:
-                return 0  # the Dask worker is gone or let us go
-            for kind, rid, blob in msgs:
-                if kind == "fork":
-                    server.start(rid, blob)
+            if request_fd in ready:
+                try:
+                    msgs = reader.read()
+                except OSError:
+                    msgs = None
+                if msgs is None:
+                    return 0  # the Dask worker is gone or let us go
+                for kind, rid, blob in msgs:
+                    if kind == "fork":
+                        server.start(rid, blob)
             # After the answers: the next spare's fork never delays a start.
             server.refill()
     finally:
@@ -248,9 +297,9 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
 
 
-def _read_reason(fd: int) -> str | None:
-    # The slot process wrote its reason before exiting; a grandchild that
-    # inherited the write end may keep it open, so never block here.
+def _read_reason(fd: int) -> bytes:
+    # What is left of a reason once its slot process was reaped: a grandchild
+    # that inherited the write end may keep it open, so never block here.
     os.set_blocking(fd, False)
     data = b""
     try:
@@ -263,7 +312,7 @@ def _read_reason(fd: int) -> str | None:
         pass
     finally:
         os.close(fd)
-    return data.decode("utf-8", "replace") if data else None
+    return data
 
 
 # ---------------------------------------------------------------- slot process
@@ -306,6 +355,7 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
 
     from fiber_dask.poolworker import serve_slot
 
+    reason = None
     try:
         reason = serve_slot(
             spec.address,
@@ -321,26 +371,28 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
         import traceback
 
         traceback.print_exc()
-        return 1
-    finally:
-        # As a stdlib worker ends: multiprocessing's finalizers run, so what the
-        # tasks put on queues (sent by feeder threads) reaches them.
-        try:
-            from multiprocessing import util
-
-            util._exit_function()
-        except Exception:  # noqa: BLE001 - never keep a slot from exiting
-            pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+    # The reason first: a "recycled" slot's successor starts while this one
+    # still runs its exit functions.
     try:
-        os.write(reason_w, reason.encode("utf-8", "replace"))
+        if reason is not None:
+            os.write(reason_w, reason.encode("utf-8", "replace"))
+        os.close(reason_w)
     except OSError:
         pass
-    return 0
+    # As a stdlib worker ends: multiprocessing's finalizers run, so what the
+    # tasks put on queues (sent by feeder threads) reaches them.
+    try:
+        from multiprocessing import util
+
+        util._exit_function()
+    except Exception:  # noqa: BLE001 - never keep a slot from exiting
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    return 0 if reason is not None else 1
 
 
 def _load_environment() -> None:
