@@ -27,14 +27,23 @@ class LocalBackend(Backend):
         threads = config.get("local.threads-per-worker")
         adaptive = config.get("adaptive.enabled")
         maximum = config.get("adaptive.maximum") or n_workers
+        import dask
+
         extra = {}
+        tick = {}
+        if dask.config.get("distributed.admin.tick.interval") == "20ms":
+            # Dask's default event-loop health check (a warning once a loop is
+            # blocked past distributed.admin.tick.limit, 3 s) wakes the
+            # scheduler, each nanny and each worker every 20 ms: 0.09 of a core
+            # for an idle 2-worker cluster, taken from the pool's tasks on the
+            # same cores; at 200 ms, 0.04 (benchmarks/RESULTS.md, issue 12).
+            tick = {"distributed.admin.tick.interval": "200ms"}
+            extra["config"] = tick  # the worker processes (and adaptive ones)
         early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
             # Each worker starts its pool-slot template process as it starts
             # (fiber_dask.slots.dask_setup), while the cluster comes up, so the
             # first Pool slot does not wait ~0.5 s for an interpreter.
-            import dask
-
             preload = list(dask.config.get("distributed.worker.preload") or [])
             extra["preload"] = [*preload, "fiber_dask.slots"]
             # Earlier still where the workers import fiber_dask with the main
@@ -42,7 +51,7 @@ class LocalBackend(Backend):
             from ..slots import early_templates
 
             early = early_templates()
-        with early:
+        with early, dask.config.set(tick):  # tick: the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,
                 threads_per_worker=threads,
