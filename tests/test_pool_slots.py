@@ -630,3 +630,17 @@ def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
     # the driver.
     assert early == [True], out.stdout
     assert (env_in_slot, env_in_driver) == (None, None), out.stdout
+
+
+def test_the_embedded_cluster_ticks_every_200_ms(fiber_ctx):
+    # Dask's 20 ms event-loop health check, in every process of the cluster,
+    # took CPU from the pool's tasks on the same cores (benchmarks/RESULTS.md).
+    client = fiber_dask.get_client()
+    ticks = client.run(
+        lambda dask_worker: dask_worker.periodic_callbacks["tick"].callback_time
+    )
+    assert set(ticks.values()) == {200.0}
+    scheduler_tick = client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time
+    )
+    assert scheduler_tick == 200.0
