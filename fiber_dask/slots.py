@@ -463,6 +463,7 @@ def keep(
         getattr(worker, "name", None),
     )
     env.pop("FIBER_DASK_LAUNCHER_PID", None)
+    env.pop(EARLY_ENV, None)  # left by a worker forked, not spawned, mid-start
     spec = SlotSpec(
         address, authkey, service, slot, init_blob, maxtasks, worker_address, env
     )
