@@ -18,7 +18,10 @@ stdlib's ``multiprocessing.Pool`` (fork) alongside where it has an equivalent:
                           (the hand-over of the spare the template keeps forked);
 ``restart per task``      ``Pool(1, maxtasksperchild=1)``: sequential ``apply`` calls,
                           each in a fresh process, minus the same without
-                          ``maxtasksperchild`` (the restart's cost per task).
+                          ``maxtasksperchild`` (the restart's cost per task), with
+                          ``benchmarks.common.noop`` (which a fresh slot process must
+                          import; a stdlib fork child inherits it) and with a task
+                          defined in this script (``__main__``: pickled by value).
 
 The fiber_dask figures are taken for both slot kinds (``fiber.pool.slots``:
 ``process`` and ``thread``, each on a fresh embedded cluster, the order alternating):
@@ -60,10 +63,14 @@ def slow_pid(_=None) -> int:
     return os.getpid()
 
 
-def restart_cost(pool, calls: int) -> float:
+def main_noop() -> None:
+    """A task defined in the script: pickled by value, nothing to import."""
+
+
+def restart_cost(pool, calls: int, func=noop) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
-        pool.apply(noop)
+        pool.apply(func)
     return (time.perf_counter() - t0) / calls
 
 
@@ -145,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                 with fresh:
                     fresh.apply(noop)
                     restart = restart_cost(fresh, a.restart_calls)
+                    restart_main = restart_cost(fresh, a.restart_calls, main_noop)
                 fiber_dask.shutdown()
             got[f"{kind}: cluster up (s)"] = t1 - t0
             got[f"{kind}: first result after cluster up (s)"] = t2 - t1
             got[f"{kind}: all slots serving (s)"] = t3 - t1
             got[f"{kind}: restart per task (ms)"] = 1e3 * (restart - base)
+            got[f"{kind}: restart, task from __main__ (ms)"] = 1e3 * (
+                restart_main - base
+            )
         t0 = time.perf_counter()
         with mp.Pool(a.workers) as first:
             first.apply(noop)
@@ -160,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         with mp.Pool(1, maxtasksperchild=1) as fresh:
             fresh.apply(noop)
             mp_restart = restart_cost(fresh, a.restart_calls)
+            mp_restart_main = restart_cost(fresh, a.restart_calls, main_noop)
         got["multiprocessing: restart per task (ms)"] = 1e3 * (mp_restart - mp_base)
+        got["multiprocessing: restart, task from __main__ (ms)"] = 1e3 * (
+            mp_restart_main - mp_base
+        )
         cold, warm = template_costs()
         got["cold template to first slot (s)"] = cold
         got["next slot (spare), to connected (ms)"] = 1e3 * warm
