@@ -146,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"load after: {os.getloadavg()}")
     keys = list(next(iter(stats.values())).keys())
-    print(f"\n{'median of ' + str(a.repeats):<18}" + "".join(f"{k:>15}" for k in keys))
+    width = max(15, *(len(k) + 2 for k in keys))
+    print(
+        f"\n{'median of ' + str(a.repeats):<18}"
+        + "".join(f"{k:>{width}}" for k in keys)
+    )
     for name, s in stats.items():
-        print(f"{name:<18}" + "".join(f"{median(s[k]):>15.3f}" for k in keys))
+        print(f"{name:<18}" + "".join(f"{median(s[k]):>{width}.3f}" for k in keys))
     return 0
 
 

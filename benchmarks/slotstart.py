@@ -5,17 +5,23 @@ Measured on fiber_dask's embedded cluster (``--workers`` Dask workers), with the
 stdlib's ``multiprocessing.Pool`` (fork) alongside where it has an equivalent:
 
 ``cluster up``            ``fiber_dask.cluster.get_handle()``: the embedded cluster
-                          starts (each worker starts its slot template as it starts);
+                          starts (each worker starts its slot template as it imports
+                          this script, which imports fiber_dask at its top);
 ``first result``          then ``Pool(workers)`` and its first ``apply``: the time to
-                          the first result once the cluster is up;
+                          the first result once the cluster is up (``multiprocessing``:
+                          ``Pool(workers)`` and its first ``apply``);
 ``all slots``             until every slot has served a task;
 ``cold template``         a template process started from scratch in this process
                           (``fiber_dask.slots.Template``) until its first slot process
                           connects: the interpreter plus fiber_dask's imports;
-``fork per slot``         a further slot process of that template, until it connects;
+``next slot``             a further slot process of that template, until it connects
+                          (the hand-over of the spare the template keeps forked);
 ``restart per task``      ``Pool(1, maxtasksperchild=1)``: sequential ``apply`` calls,
                           each in a fresh process, minus the same without
-                          ``maxtasksperchild`` (the restart's cost per task).
+                          ``maxtasksperchild`` (the restart's cost per task), with
+                          ``benchmarks.common.noop`` (which a fresh slot process must
+                          import; a stdlib fork child inherits it) and with a task
+                          defined in this script (``__main__``: pickled by value).
 
 The fiber_dask figures are taken for both slot kinds (``fiber.pool.slots``:
 ``process`` and ``thread``, each on a fresh embedded cluster, the order alternating):
@@ -24,6 +30,10 @@ with ``thread`` a restart is a new Dask task in the same worker process.
 Medians over ``--repeats``.  Run from the repository root::
 
     python benchmarks/slotstart.py --repeats 5
+
+``SLOTSTART_IMPORT=late`` imports fiber_dask only inside ``main()``: the
+workers' templates then start at their ``dask_setup`` preload, later (what a
+script that imports fiber_dask lazily gets).
 """
 
 from __future__ import annotations
@@ -41,16 +51,26 @@ if __package__ in (None, ""):
 
 from benchmarks.common import median, noop  # noqa: E402
 
+if os.environ.get("SLOTSTART_IMPORT") != "late":
+    # As a user's script does (`import fiber_dask as multiprocessing`): the
+    # embedded cluster's workers import it with this module and start their
+    # slot templates then (fiber_dask.slots.early_templates).
+    import fiber_dask  # noqa: E402, F401
+
 
 def slow_pid(_=None) -> int:
     time.sleep(0.05)
     return os.getpid()
 
 
-def restart_cost(pool, calls: int) -> float:
+def main_noop() -> None:
+    """A task defined in the script: pickled by value, nothing to import."""
+
+
+def restart_cost(pool, calls: int, func=noop) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
-        pool.apply(noop)
+        pool.apply(func)
     return (time.perf_counter() - t0) / calls
 
 
@@ -77,6 +97,7 @@ def template_costs() -> tuple[float, float]:
         template.fork(spec)
         connected.acquire()
         cold = time.perf_counter() - t0
+        time.sleep(0.2)  # the template forks its next spare after a hand-over
         t1 = time.perf_counter()
         template.fork(spec)
         connected.acquire()
@@ -131,21 +152,33 @@ def main(argv: list[str] | None = None) -> int:
                 with fresh:
                     fresh.apply(noop)
                     restart = restart_cost(fresh, a.restart_calls)
+                    restart_main = restart_cost(fresh, a.restart_calls, main_noop)
                 fiber_dask.shutdown()
             got[f"{kind}: cluster up (s)"] = t1 - t0
             got[f"{kind}: first result after cluster up (s)"] = t2 - t1
             got[f"{kind}: all slots serving (s)"] = t3 - t1
             got[f"{kind}: restart per task (ms)"] = 1e3 * (restart - base)
+            got[f"{kind}: restart, task from __main__ (ms)"] = 1e3 * (
+                restart_main - base
+            )
+        t0 = time.perf_counter()
+        with mp.Pool(a.workers) as first:
+            first.apply(noop)
+            got["multiprocessing: first result (s)"] = time.perf_counter() - t0
         with mp.Pool(1) as plain:
             plain.apply(noop)
             mp_base = restart_cost(plain, a.restart_calls)
         with mp.Pool(1, maxtasksperchild=1) as fresh:
             fresh.apply(noop)
             mp_restart = restart_cost(fresh, a.restart_calls)
+            mp_restart_main = restart_cost(fresh, a.restart_calls, main_noop)
         got["multiprocessing: restart per task (ms)"] = 1e3 * (mp_restart - mp_base)
+        got["multiprocessing: restart, task from __main__ (ms)"] = 1e3 * (
+            mp_restart_main - mp_base
+        )
         cold, warm = template_costs()
         got["cold template to first slot (s)"] = cold
-        got["fork per slot, to connected (ms)"] = 1e3 * warm
+        got["next slot (spare), to connected (ms)"] = 1e3 * warm
         for k, v in got.items():
             rows.setdefault(k, []).append(v)
         print(

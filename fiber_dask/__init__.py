@@ -6,6 +6,13 @@ existing Dask scheduler, or an adaptive Kubernetes deployment.
 
 from __future__ import annotations
 
+# isort: off
+# First of all: in a Dask worker process of the embedded cluster, importing
+# fiber_dask.slots starts the pool-slot template before the rest of this
+# import (fiber_dask.slots.start_early).
+from . import slots as _slots  # noqa: F401
+
+# isort: on
 from multiprocessing import (
     AuthenticationError,
     BufferTooShort,

@@ -35,11 +35,20 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   (1.3-2.7 s at load 20), again at every ``maxtasksperchild`` restart.  A fork
   of the single-threaded, preloaded template is connected to its pool in
   ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
-  once per Dask worker: on the embedded cluster as the worker starts (the
-  ``dask_setup`` preload below, in parallel with the rest of the cluster
-  coming up), elsewhere by the first keeper on that worker.  What a fork does
-  before connecting was measured too: a full ``dask.config.refresh()`` (20 ms)
-  and numpy 2's lazy ``numpy.random`` import (8 ms) were moved out of it.
+  once per Dask worker: on the embedded cluster as the worker process imports
+  the user's main module, if that imports fiber_dask (:func:`early_templates`,
+  :func:`start_early`: 1-2 s before the worker has imported distributed),
+  else at its ``dask_setup`` preload below; elsewhere by the first keeper on
+  that worker.  What a fork does before connecting was measured too: a full
+  ``dask.config.refresh()`` (20 ms), numpy 2's lazy ``numpy.random`` import
+  (8 ms) and the idna codec's import in the first ``getaddrinfo`` (5-10 ms)
+  were moved out of it.
+* **A spare forked ahead.**  The template keeps one slot process forked and
+  set up (signals, fds, ``PR_SET_PDEATHSIG``, faulthandler) that waits for
+  its :class:`SlotSpec` on a pipe; a fork request hands the spec to it and
+  forks the next spare after answering.  A slot start and a
+  ``maxtasksperchild`` restart are then a hand-over plus the connect.  The
+  spare dies with the template (PDEATHSIG, and EOF on its spec pipe).
 * **Tasks get their core and GIL back** (``benchmarks/cpushare.py``, CPU
   accounting that other load on the machine does not skew): with thread slots
   the Dask worker's other threads (event loop, heartbeats, the 10 ms sampling
@@ -78,11 +87,15 @@ template → keeper: ``("started", id, pid)``, ``("exit", id, code, reason)``
 with ``code`` as :attr:`subprocess.Popen.returncode` (``-N`` for signal N) and
 ``reason`` the string :func:`fiber_dask.poolworker.serve_slot` returned, or
 None when the slot process died before returning one; ``("failed", id, error)``
-when the fork itself failed.
+when the fork itself failed; ``("restarted", id, pid)`` when the slot process
+of ``id`` returned ``"recycled"`` (``maxtasksperchild``) and the template
+started its successor with the same spec at once (then no ``"exit"`` is sent
+for the old one; the keeper keeps waiting for the new one's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -91,9 +104,18 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SlotSpec", "keep", "get_template", "warm_up", "TERMINATE_GRACE"]
+__all__ = [
+    "SlotSpec",
+    "keep",
+    "get_template",
+    "warm_up",
+    "early_templates",
+    "start_early",
+    "TERMINATE_GRACE",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -257,12 +279,13 @@ class Template:
     def _on_report(self, msg: tuple) -> None:
         kind, rid = msg[0], msg[1]
         with self.lock:
-            fork = (
-                self.forks.get(rid) if kind == "started" else self.forks.pop(rid, None)
-            )
+            if kind in ("started", "restarted"):
+                fork = self.forks.get(rid)
+            else:
+                fork = self.forks.pop(rid, None)
         if fork is None:
             return
-        if kind == "started":
+        if kind in ("started", "restarted"):
             fork.pid = msg[2]
             fork.started.set()
         elif kind == "exit":
@@ -307,6 +330,70 @@ def get_template() -> Template:
         if _template is None or _template.dead:
             _template = Template()
         return _template
+
+
+#: Set (to "1") in the environment the embedded cluster's Dask worker
+#: processes are spawned with: "start your template as fiber_dask is imported".
+EARLY_ENV = "FIBER_DASK_EARLY_SLOT_TEMPLATE"
+
+#: ``multiprocessing`` names a Nanny's worker process so (distributed.nanny);
+#: with the environment variable it tells such a process from any other child.
+_NANNY_WORKER_NAME = "Dask Worker process (from Nanny)"
+
+
+@contextlib.contextmanager
+def early_templates() -> Iterator[None]:
+    """Around the start of the embedded cluster: its Dask worker processes,
+    spawned meanwhile, start their slot template as soon as they import
+    fiber_dask (:func:`start_early`), instead of at their ``dask_setup``.
+
+    A spawned worker imports the user's main module (which imports fiber_dask)
+    ~1-2 s before it has imported distributed and runs its preloads; the
+    template's interpreter and imports (~0.5 s of CPU) then overlap the
+    worker's own start instead of following it, and the first ``Pool()``
+    result no longer waits for them.  Only the processes spawned inside this
+    block see the variable, and each worker removes it from its environment.
+    """
+    old = os.environ.get(EARLY_ENV)
+    os.environ[EARLY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(EARLY_ENV, None)
+        else:
+            os.environ[EARLY_ENV] = old
+
+
+#: Whether this process's template was started by :func:`start_early`.
+started_early = False
+
+
+def start_early() -> None:
+    """Called as this module is imported (first thing in fiber_dask's
+    ``__init__``): in a Dask worker process spawned by
+    :func:`early_templates`'s cluster, start the slot template now (in a thread
+    of its own, returning once the template process is forked, ~10 ms).
+
+    Only where the main module imports fiber_dask at its top level, as
+    ``import fiber_dask as multiprocessing`` does; elsewhere
+    :func:`dask_setup` starts it.  The template then has the environment the
+    worker process was spawned with (``distributed.nanny.pre-spawn-environ``
+    included, not ``distributed.nanny.environ``, which the worker applies
+    later); a slot process still gets its worker's whole environment.
+    """
+    if os.environ.pop(EARLY_ENV, None) != "1":
+        return
+    import multiprocessing
+
+    if multiprocessing.current_process().name != _NANNY_WORKER_NAME:
+        return
+    global started_early
+    try:
+        get_template()
+        started_early = True
+    except OSError:
+        logger.debug("fiber-dask: cannot start the slot template", exc_info=True)
 
 
 async def warm_up(dask_worker: Any = None) -> None:
@@ -359,8 +446,8 @@ def keep(
     Returns why the slot ended, as :func:`fiber_dask.poolworker.serve_slot`
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
     ``"slot process died: ..."`` when it crashed.  A slot process retired by
-    ``maxtasksperchild`` (``"recycled"``) is replaced here, without a new Dask
-    task.
+    ``maxtasksperchild`` (``"recycled"``) is replaced without a new Dask task:
+    by the template at once (``"restarted"``), or here when that failed.
     """
     from .launcher import child_env
 
@@ -376,6 +463,7 @@ def keep(
         getattr(worker, "name", None),
     )
     env.pop("FIBER_DASK_LAUNCHER_PID", None)
+    env.pop(EARLY_ENV, None)  # left by a worker forked, not spawned, mid-start
     spec = SlotSpec(
         address, authkey, service, slot, init_blob, maxtasks, worker_address, env
     )
@@ -390,7 +478,7 @@ def keep(
         # early could leave a slot process it no longer keeps.
         f.done.wait()
         if f.reason == "recycled":
-            continue  # maxtasksperchild: a fresh process, at once
+            continue  # maxtasksperchild, the template could not restart it
         if f.reason is not None:
             return f.reason
         if f.error is not None:
@@ -409,3 +497,6 @@ def _describe(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+start_early()  # a no-op but in a worker process spawned by early_templates()

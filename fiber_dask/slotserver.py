@@ -3,8 +3,9 @@
 Started by :class:`fiber_dask.slots.Template` in a Dask worker (the why, the
 picture and the pipe protocol are in :mod:`fiber_dask.slots`).  It preloads
 what every slot process needs (cloudpickle, fiber_dask's pool-worker code,
-numpy if it is installed), then, single-threaded, forks one slot process per
-``("fork", id, spec)`` read from stdin and reports on ``REPORT_FD`` its pid and,
+numpy if it is installed), then, single-threaded, starts one slot process per
+``("fork", id, spec)`` read from stdin (handing the spec to the spare it keeps
+forked ahead, or forking one now) and reports on ``REPORT_FD`` its pid and,
 once reaped, its exit status and the reason its loop returned.  EOF on stdin
 (the Dask worker is gone, or let it go) ends the template, and its slot
 processes with it.
@@ -52,11 +53,172 @@ def _preload() -> None:
     import fiber_dask.slots  # noqa: F401
     import fiber_dask.swap  # noqa: F401
 
+    # The first getaddrinfo() on a str host imports the idna codec and compiles
+    # its regexes: 5-10 ms in every slot process's connect, were it left to them.
+    "localhost".encode("idna")
     try:
         import numpy  # noqa: F401
         import numpy.random  # noqa: F401  (lazy in numpy 2; each slot reseeds it)
     except ImportError:
         pass
+
+
+class _Waiting:
+    """A forked slot process that has set itself up and waits for its spec."""
+
+    def __init__(self, pid: int, spec_w: int, reason_r: int) -> None:
+        self.pid, self.spec_w, self.reason_r = pid, spec_w, reason_r
+
+
+class _Slot:
+    """A slot process serving a request: what the template knows of it."""
+
+    def __init__(self, rid: int, reason_fd: int, blob: bytes) -> None:
+        self.rid, self.blob = rid, blob
+        self.reason_fd: int | None = reason_fd  # None once read to EOF
+        self.reason = b""
+
+
+class _Server:
+    """The template's state: its slot processes, its spare, its pipes."""
+
+    def __init__(self, request_fd: int, report_fd: int, sig_r: int, sig_w: int):
+        from fiber_dask.slots import write_frame
+
+        self.write_frame = write_frame
+        self.report_fd = report_fd
+        self.own_fds = [request_fd, report_fd, sig_r, sig_w]
+        self.children: dict[int, _Slot] = {}
+        self.retired: set[int] = set()  # replaced after "recycled", not yet reaped
+        self.spare: _Waiting | None = None
+        self.me = os.getpid()
+
+    def fork_waiting(self) -> _Waiting:
+        """Fork a slot process that sets itself up, then waits for its spec."""
+        spec_r, spec_w = os.pipe()
+        reason_r, reason_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (spec_r, spec_w, reason_r, reason_w):
+                os.close(fd)
+            raise
+        if pid == 0:
+            code = 1
+            try:
+                close = self.own_fds + self.reason_fds()
+                if self.spare is not None:
+                    close += [self.spare.spec_w, self.spare.reason_r]
+                code = _child(self.me, close + [spec_w, reason_r], spec_r, reason_w)
+            finally:
+                os._exit(code)  # never return into the template's loop
+        os.close(spec_r)
+        os.close(reason_w)
+        return _Waiting(pid, spec_w, reason_r)
+
+    def reason_fds(self) -> list[int]:
+        return [c.reason_fd for c in self.children.values() if c.reason_fd is not None]
+
+    def refill(self) -> None:
+        """Keep one spare forked ahead, so that a slot start (and a
+        ``maxtasksperchild`` restart) is a hand-over, not a fork and setup."""
+        if self.spare is None:
+            try:
+                self.spare = self.fork_waiting()
+            except OSError:
+                pass  # fork at the next request instead
+
+    def hand_over(self, blob: bytes) -> _Waiting | str:
+        """A slot process running ``blob``: the spare, or one forked now when
+        there is none (or it died); the error text if none can start."""
+        for _ in range(2):
+            proc, self.spare = self.spare, None
+            if proc is None:
+                try:
+                    proc = self.fork_waiting()
+                except OSError as e:
+                    return f"fork failed: {e}"
+            try:
+                _write_all(proc.spec_w, blob)
+            except OSError:
+                # The spare died (or was killed) before its hand-over: it is
+                # reaped as a stranger; try a fresh one.
+                os.close(proc.reason_r)
+                continue
+            finally:
+                os.close(proc.spec_w)
+            return proc
+        return "slot processes die at start"
+
+    def start(self, rid: int, blob: bytes) -> None:
+        """Answer a ``("fork", rid, blob)`` request."""
+        proc = self.hand_over(blob)
+        if isinstance(proc, str):
+            self.write_frame(self.report_fd, ("failed", rid, proc))
+            return
+        self.children[proc.pid] = _Slot(rid, proc.reason_r, blob)
+        self.write_frame(self.report_fd, ("started", rid, proc.pid))
+
+    def read_reasons(self, ready: list[int]) -> None:
+        """Read the reasons slot processes wrote as their loop returned.  A
+        slot retired by ``maxtasksperchild`` (``"recycled"``) is replaced at
+        once, before it has even exited, with the same spec, and reported as
+        ``("restarted", id, pid)``: no round trip through the keeper."""
+        for pid, c in list(self.children.items()):
+            if c.reason_fd is None or c.reason_fd not in ready:
+                continue
+            try:
+                data = os.read(c.reason_fd, 4096)
+            except OSError:
+                data = b""
+            if data:
+                c.reason += data
+                continue
+            os.close(c.reason_fd)
+            c.reason_fd = None
+            if c.reason != b"recycled":
+                continue  # reported once reaped, with its exit status
+            proc = self.hand_over(c.blob)
+            if isinstance(proc, str):
+                continue  # reported once reaped: the keeper asks again
+            del self.children[pid]
+            self.retired.add(pid)
+            self.children[proc.pid] = _Slot(c.rid, proc.reason_r, c.blob)
+            self.write_frame(self.report_fd, ("restarted", c.rid, proc.pid))
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.spare is not None and pid == self.spare.pid:
+                os.close(self.spare.spec_w)
+                os.close(self.spare.reason_r)
+                self.spare = None  # forked again at the next request
+                continue
+            self.retired.discard(pid)
+            c = self.children.pop(pid, None)
+            if c is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            reason = c.reason
+            if c.reason_fd is not None:
+                reason += _read_reason(c.reason_fd)
+            text = reason.decode("utf-8", "replace") if reason else None
+            self.write_frame(self.report_fd, ("exit", c.rid, code, text))
+
+    def kill_all(self) -> None:
+        pids = [*self.children, *self.retired]
+        if self.spare is not None:
+            pids.append(self.spare.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def main() -> int:
@@ -72,7 +234,7 @@ def main() -> int:
     os.close(devnull)
     _preload()
 
-    from fiber_dask.slots import FrameReader, write_frame
+    from fiber_dask.slots import FrameReader
 
     # SIGCHLD wakes the select through the wakeup fd, as in the stdlib's
     # forkserver: the template never blocks in waitpid.
@@ -81,14 +243,15 @@ def main() -> int:
     os.set_blocking(sig_w, False)
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)
-    own_fds = [request_fd, report_fd, sig_r, sig_w]
-    children: dict[int, tuple[int, int]] = {}  # pid -> (request id, reason fd)
+    server = _Server(request_fd, report_fd, sig_r, sig_w)
     reader = FrameReader(request_fd)
-    me = os.getpid()
     try:
+        server.refill()
         while True:
             try:
-                ready, _, _ = select.select([request_fd, sig_r], [], [])
+                ready, _, _ = select.select(
+                    [request_fd, sig_r, *server.reason_fds()], [], []
+                )
             except InterruptedError:
                 continue
             if sig_r in ready:
@@ -97,66 +260,46 @@ def main() -> int:
                         pass
                 except BlockingIOError:
                     pass
-            _reap(children, report_fd, write_frame)
-            if request_fd not in ready:
-                continue
-            try:
-                msgs = reader.read()
-            except OSError:
-                msgs = None
-            if msgs is None:
-                return 0  # the Dask worker is gone or let us go
-            for kind, rid, blob in msgs:
-                if kind != "fork":
-                    continue
-                reason_r, reason_w = os.pipe()
+            server.read_reasons(ready)
+            server.reap()
+            if request_fd in ready:
                 try:
-                    pid = os.fork()
-                except OSError as e:
-                    os.close(reason_r)
-                    os.close(reason_w)
-                    write_frame(report_fd, ("failed", rid, f"fork failed: {e}"))
-                    continue
-                if pid == 0:
-                    code = 1
-                    try:
-                        close = own_fds + [fd for _, fd in children.values()]
-                        code = _child(blob, me, close + [reason_r], reason_w)
-                    finally:
-                        os._exit(code)  # never return into the template's loop
-                os.close(reason_w)
-                children[pid] = (rid, reason_r)
-                write_frame(report_fd, ("started", rid, pid))
+                    msgs = reader.read()
+                except OSError:
+                    msgs = None
+                if msgs is None:
+                    return 0  # the Dask worker is gone or let us go
+                for kind, rid, blob in msgs:
+                    if kind == "fork":
+                        server.start(rid, blob)
+            # After the answers: the next spare's fork never delays a start.
+            server.refill()
     finally:
-        # Slot processes die with us by PDEATHSIG; say it explicitly too (and
-        # for platforms without it).
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        # Slot processes (and the spare) die with us by PDEATHSIG, the spare
+        # also by EOF on its spec pipe; say it explicitly too (and for
+        # platforms without PDEATHSIG).
+        server.kill_all()
 
 
-def _reap(children: dict, report_fd: int, write_frame) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        entry = children.pop(pid, None)
-        if entry is None:
-            continue
-        rid, reason_fd = entry
-        code = os.waitstatus_to_exitcode(status)
-        reason = _read_reason(reason_fd)
-        write_frame(report_fd, ("exit", rid, code, reason))
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
-def _read_reason(fd: int) -> str | None:
-    # The slot process wrote its reason before exiting; a grandchild that
-    # inherited the write end may keep it open, so never block here.
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _read_reason(fd: int) -> bytes:
+    # What is left of a reason once its slot process was reaped: a grandchild
+    # that inherited the write end may keep it open, so never block here.
     os.set_blocking(fd, False)
     data = b""
     try:
@@ -169,17 +312,17 @@ def _read_reason(fd: int) -> str | None:
         pass
     finally:
         os.close(fd)
-    return data.decode("utf-8", "replace") if data else None
+    return data
 
 
 # ---------------------------------------------------------------- slot process
 
 
-def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) -> int:
-    """Become a slot process and serve the pool; the process's exit code."""
+def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) -> int:
+    """Become a slot process: set up, wait for the spec on ``spec_r`` (at once,
+    or later as the template's spare), serve the pool; the exit code."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     for fd in close_fds:
         try:
             os.close(fd)
@@ -194,6 +337,16 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
     # the Dask worker's stderr, where its log is.
     faulthandler.enable()
 
+    # SIGINT stays ignored while this waits as a spare (Ctrl-C in a terminal
+    # is not for it); EOF without a spec: the template is gone or let it go.
+    try:
+        blob = _read_all(spec_r)
+    except OSError:
+        blob = b""
+    os.close(spec_r)
+    if not blob:
+        return 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     spec = pickle.loads(blob)
     os.environ.clear()
     os.environ.update(spec.env)
@@ -202,6 +355,7 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
 
     from fiber_dask.poolworker import serve_slot
 
+    reason = None
     try:
         reason = serve_slot(
             spec.address,
@@ -217,26 +371,28 @@ def _child(blob: bytes, template_pid: int, close_fds: list[int], reason_w: int) 
         import traceback
 
         traceback.print_exc()
-        return 1
-    finally:
-        # As a stdlib worker ends: multiprocessing's finalizers run, so what the
-        # tasks put on queues (sent by feeder threads) reaches them.
-        try:
-            from multiprocessing import util
-
-            util._exit_function()
-        except Exception:  # noqa: BLE001 - never keep a slot from exiting
-            pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+    # The reason first: a "recycled" slot's successor starts while this one
+    # still runs its exit functions.
     try:
-        os.write(reason_w, reason.encode("utf-8", "replace"))
+        if reason is not None:
+            os.write(reason_w, reason.encode("utf-8", "replace"))
+        os.close(reason_w)
     except OSError:
         pass
-    return 0
+    # As a stdlib worker ends: multiprocessing's finalizers run, so what the
+    # tasks put on queues (sent by feeder threads) reaches them.
+    try:
+        from multiprocessing import util
+
+        util._exit_function()
+    except Exception:  # noqa: BLE001 - never keep a slot from exiting
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    return 0 if reason is not None else 1
 
 
 def _load_environment() -> None:

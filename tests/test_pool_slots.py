@@ -10,6 +10,7 @@ conditions, never on timers.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -161,6 +162,20 @@ def dead(pids):
     return all(not alive(p) for p in pids)
 
 
+def live_children(pid):
+    try:
+        kids = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [k.pid for k in kids if alive(k.pid)]
+
+
+def only_spares_left(templates):
+    """Each template keeps its one pre-forked spare and nothing else: no slot
+    process of a pool that ended is left running."""
+    return all(len(live_children(t)) == 1 for t in templates)
+
+
 # ------------------------------------------------------- stdlib-oracle semantics
 
 
@@ -289,9 +304,15 @@ def test_terminate_stops_cpu_bound_and_blocked_tasks(fiber_ctx, tmp_path):
     r2 = pool.apply_async(sleep_forever, (sleep,))
     pids = [read_pid(p) for p in (spin, sleep)]
     assert all(alive(p) for p in pids)
+    templates = {psutil.Process(p).ppid() for p in pids}
     pool.terminate()
     wait_until(lambda: dead(pids), timeout=10, what="the terminated tasks' processes")
     pool.join()
+    wait_until(
+        lambda: only_spares_left(templates),
+        timeout=10,
+        what="templates left with only their spare after terminate()",
+    )
     for r in (r1, r2):
         with pytest.raises(fiber_dask.PoolTerminatedError):
             r.get(timeout=5)
@@ -300,9 +321,15 @@ def test_terminate_stops_cpu_bound_and_blocked_tasks(fiber_ctx, tmp_path):
 def test_slot_processes_gone_after_close(fiber_ctx):
     pool = fiber_ctx.Pool(2)
     pids = set(pool.map(slow_getpid, range(20), chunksize=1))
+    templates = {psutil.Process(p).ppid() for p in pids}
     pool.close()
     pool.join()
     wait_until(lambda: dead(pids), timeout=10, what="the closed pool's slot processes")
+    wait_until(
+        lambda: only_spares_left(templates),
+        timeout=10,
+        what="templates left with only their spare after close()",
+    )
 
 
 OWNER_SCRIPT = textwrap.dedent(
@@ -336,10 +363,16 @@ def test_slot_processes_gone_after_the_owner_is_killed(client, tmp_path):
     try:
         pids = [read_pid(f"{marker}.{i}") for i in range(2)]
         assert all(alive(p) for p in pids)
+        templates = {psutil.Process(p).ppid() for p in pids}
         owner.kill()
         owner.wait(timeout=10)
         wait_until(
             lambda: dead(pids), timeout=15, what="the dead owner's slot processes"
+        )
+        wait_until(
+            lambda: only_spares_left(templates),
+            timeout=15,
+            what="templates left with only their spare after the owner's SIGKILL",
         )
     finally:
         owner.kill()
@@ -362,11 +395,16 @@ def test_slot_processes_die_with_their_dask_worker(client, tmp_path):
         template = psutil.Process(slot).ppid()
         worker = psutil.Process(template).ppid()
         assert worker in client.run(os.getpid).values()
+        # The template's spare is forked again after each hand-over.
+        wait_until(
+            lambda: len(live_children(template)) == 2, what="the template's spare"
+        )
+        family = [template, *live_children(template)]
         os.kill(worker, signal.SIGKILL)
         wait_until(
-            lambda: dead([slot, template]),
+            lambda: dead(family),
             timeout=15,
-            what="the slot process and template of a SIGKILLed Dask worker",
+            what="the slot process, spare and template of a SIGKILLed Dask worker",
         )
         # The task was re-run in another slot (the marker exists: it returns).
         assert res.get(timeout=60) != slot
@@ -465,8 +503,18 @@ def test_slot_processes_die_with_their_template():
         forks = [template.fork(owner.spec(i)) for i in range(2)]
         wait_until(lambda: len(owner.conns) == 2, what="two slot connections")
         pids = [f.pid for f in forks]
+        wait_until(
+            lambda: len(live_children(template.proc.pid)) == 3,
+            what="two slot processes and the spare",
+        )
+        family = live_children(template.proc.pid)
+        assert set(pids) < set(family)
         os.kill(template.proc.pid, signal.SIGKILL)  # as if OOM-killed
-        wait_until(lambda: dead(pids), timeout=10, what="slots of a killed template")
+        wait_until(
+            lambda: dead(family),
+            timeout=10,
+            what="slots and spare of a killed template",
+        )
         template.thread.join(30)
         assert template.dead
         assert all(f.done.is_set() and f.error for f in forks)
@@ -481,12 +529,118 @@ def test_template_exits_when_its_parent_closes_it():
     try:
         f = template.fork(owner.spec())
         wait_until(lambda: owner.conns, what="a slot connection")
+        wait_until(
+            lambda: len(live_children(template.proc.pid)) == 2,
+            what="the slot process and the spare",
+        )
+        family = [template.proc.pid, *live_children(template.proc.pid)]
+        assert f.pid in family
         template.close()  # EOF on its stdin, as when the Dask worker dies
         wait_until(
-            lambda: dead([f.pid, template.proc.pid]),
+            lambda: dead(family),
             timeout=10,
-            what="the template and its slot",
+            what="the template, its slot and its spare",
         )
     finally:
         template.close()
         owner.close()
+
+
+def test_a_slot_start_hands_over_the_pre_forked_spare():
+    owner = _Owner()
+    template = slots.Template()
+    try:
+        wait_until(
+            lambda: len(live_children(template.proc.pid)) == 1,
+            timeout=30,
+            what="the template's spare, forked once its preloads are done",
+        )
+        [spare] = live_children(template.proc.pid)
+        f = template.fork(owner.spec())
+        assert f.started.wait(30)
+        assert f.pid == spare  # a hand-over, not a fork
+        wait_until(lambda: owner.conns, what="the spare's connection")
+        assert owner.conns[0][1]["pid"] == spare
+        wait_until(
+            lambda: len(live_children(template.proc.pid)) == 2,
+            what="the next spare",
+        )
+        [again] = set(live_children(template.proc.pid)) - {spare}
+        # A spare that died before its hand-over is not handed over: a fresh
+        # process serves the request, and a new spare follows.
+        os.kill(again, signal.SIGKILL)
+        wait_until(lambda: not alive(again), what="the killed spare gone")
+        g = template.fork(owner.spec(1))
+        assert g.started.wait(30)
+        assert g.pid not in (spare, again)
+        wait_until(lambda: len(owner.conns) == 2, what="the second slot's connection")
+        assert owner.conns[1][1]["pid"] == g.pid
+        wait_until(
+            lambda: len(live_children(template.proc.pid)) == 3,
+            what="two slot processes and a new spare",
+        )
+    finally:
+        template.close()
+        owner.close()
+    template.thread.join(30)
+    assert template.dead
+
+
+EARLY_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import os
+    import fiber_dask  # at the top, as `import fiber_dask as multiprocessing`
+    from fiber_dask import slots
+
+    def probe(_=None):
+        return os.environ.get(slots.EARLY_ENV)
+
+    if __name__ == "__main__":
+        import dask
+
+        dask.config.set({"fiber.local.n-workers": 1})
+        client = fiber_dask.get_client()
+        early = client.run(lambda: slots.started_early)
+        with fiber_dask.Pool(1) as pool:
+            env = pool.apply(probe)
+        print(json.dumps([list(early.values()), env, os.environ.get(slots.EARLY_ENV)]))
+        fiber_dask.shutdown()
+    """
+)
+
+
+def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
+    tmp_path,
+):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr
+    early, env_in_slot, env_in_driver = json.loads(out.stdout.splitlines()[-1])
+    # The worker started its template from start_early(), not dask_setup; the
+    # variable that told it to neither reached the slot process nor stayed in
+    # the driver.
+    assert early == [True], out.stdout
+    assert (env_in_slot, env_in_driver) == (None, None), out.stdout
+
+
+def test_the_embedded_cluster_ticks_every_200_ms(fiber_ctx):
+    # Dask's 20 ms event-loop health check, in every process of the cluster,
+    # took CPU from the pool's tasks on the same cores (benchmarks/RESULTS.md).
+    client = fiber_dask.get_client()
+    ticks = client.run(
+        lambda dask_worker: dask_worker.periodic_callbacks["tick"].callback_time
+    )
+    assert set(ticks.values()) == {200.0}
+    scheduler_tick = client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time
+    )
+    assert scheduler_tick == 200.0

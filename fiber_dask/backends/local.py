@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -28,29 +29,45 @@ class LocalBackend(Backend):
         threads = config.get("local.threads-per-worker")
         adaptive = config.get("adaptive.enabled")
         maximum = config.get("adaptive.maximum") or n_workers
+        import dask
+
         extra = {}
+        tick = {}
+        if dask.config.get("distributed.admin.tick.interval") == "20ms":
+            # Dask's default event-loop health check (a warning once a loop is
+            # blocked past distributed.admin.tick.limit, 3 s) wakes the
+            # scheduler, each nanny and each worker every 20 ms: 0.09 of a core
+            # for an idle 2-worker cluster, taken from the pool's tasks on the
+            # same cores; at 200 ms, 0.04 (benchmarks/RESULTS.md, issue 12).
+            tick = {"distributed.admin.tick.interval": "200ms"}
+            extra["config"] = tick  # the worker processes (and adaptive ones)
+        early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
             # Each worker starts its pool-slot template process as it starts
             # (fiber_dask.slots.dask_setup), while the cluster comes up, so the
             # first Pool slot does not wait ~0.5 s for an interpreter.
-            import dask
-
             preload = list(dask.config.get("distributed.worker.preload") or [])
             extra["preload"] = [*preload, "fiber_dask.slots"]
+            # Earlier still where the workers import fiber_dask with the main
+            # module (fiber_dask.slots.early_templates).
+            from ..slots import early_templates
+
+            early = early_templates()
         # The scheduler reports the pools on its dashboard (fiber_dask.dashboard).
         from ..dashboard import preload_modules
 
         extra["scheduler_kwargs"] = {"preload": preload_modules()}
-        cluster = LocalCluster(
-            n_workers=0 if adaptive else n_workers,
-            threads_per_worker=threads,
-            processes=True,
-            memory_limit=config.get("local.memory-limit"),
-            dashboard_address=config.get("local.dashboard-address"),
-            host="127.0.0.1",
-            scheduler_port=0,
-            **extra,
-        )
+        with early, dask.config.set(tick):  # tick: the scheduler and nannies
+            cluster = LocalCluster(
+                n_workers=0 if adaptive else n_workers,
+                threads_per_worker=threads,
+                processes=True,
+                memory_limit=config.get("local.memory-limit"),
+                dashboard_address=config.get("local.dashboard-address"),
+                host="127.0.0.1",
+                scheduler_port=0,
+                **extra,
+            )
         try:
             if adaptive:
                 cluster.adapt(
