@@ -281,8 +281,7 @@ class PoolEngine:
         self.state = RUN
         _live.add(self)
         try:
-            for position in range(self.processes):
-                self._submit_loop(position)
+            self._submit_loops(range(self.processes))
         except BaseException:
             self.state = TERMINATE
             self._release()
@@ -740,32 +739,49 @@ class PoolEngine:
 
     # -------------------------------------------------------------- the loops
 
-    def _submit_loop(self, position: int) -> None:
-        n = next(self._loop_numbers)
-        fut = self._client.submit(
+    def _submit_loops(self, positions: Any) -> None:
+        """Submit one loop task per slot position, all in one ``client.map``.
+
+        One graph update for all of them: the scheduler handles a submit in
+        about as long as a map of many (an ``update-graph`` each), so a
+        1024-slot pool submitted task by task had its last loops reach the
+        scheduler tens of seconds after the first (issue 15).
+        """
+        positions = list(positions)
+        if not positions:
+            return
+        numbers = [next(self._loop_numbers) for _ in positions]
+        loop = functools.partial(
             run_pool_worker,
             self._server.address,
             self._server.authkey,
             self._service,
-            n,
-            self._init_blob,
-            self._maxtasks,
+        )
+        k = len(numbers)
+        futs = self._client.map(
+            loop,
+            numbers,
+            [self._init_blob] * k,
+            [self._maxtasks] * k,
             # Thread slots: on a cluster we started, a task that ignores
             # terminate() for _TERMINATE_GRACE ends its worker process (the
             # nanny starts another).  Slot processes end only themselves
             # (fiber_dask.slots.TERMINATE_GRACE), on any cluster.
-            _TERMINATE_GRACE if self._handle.owned else None,
-            self._slot_kind,  # process | thread (fiber_dask.slots)
-            key=f"fiber-pool-{self._token}-{n}",
+            [_TERMINATE_GRACE if self._handle.owned else None] * k,
+            [self._slot_kind] * k,  # process | thread (fiber_dask.slots)
+            key=[f"fiber-pool-{self._token}-{n}" for n in numbers],
             pure=False,
             resources=self._resources,
         )
-        self._loops[n] = fut
-        self._position[n] = position
-        _watch(self._client, fut, weakref.ref(self), n)
+        ref = weakref.ref(self)
+        for n, position, fut in zip(numbers, positions, futs, strict=True):
+            self._loops[n] = fut
+            self._position[n] = position
+            _watch(self._client, fut, ref, n)
 
     def _maintain(self) -> None:
         """Replace loops that ended while work remains; fail if none can start."""
+        replace: list[int] = []  # slot positions, submitted together below
         while self._loop_done:
             if self._client.status == "connecting" and self.state != TERMINATE:
                 break  # the client is reconnecting: replace the loops after that
@@ -799,8 +815,10 @@ class PoolEngine:
                     )
                 )
                 continue
+            replace.append(position)
+        if replace and not self.broken:
             try:
-                self._submit_loop(position)
+                self._submit_loops(replace)
             except Exception as e:
                 self._break(self._lost_scheduler(e))
         if self._peers or not self._cache:
