@@ -300,11 +300,12 @@ class Pool(PoolEngine):
         items = list(iterable)
         if chunksize is None:
             chunksize = self._engine.default_chunksize
-        if chunksize is None:
-            chunksize, extra = divmod(len(items), self._processes * 4)
-            if extra:
-                chunksize += 1
-        chunksize = max(int(chunksize), 1)
+        if chunksize is not None:
+            chunksize = max(int(chunksize), 1)
+        # None: sized chunk by chunk from measured task durations
+        # (fiber_dask.poolresults.measured_chunksize), not the stdlib's
+        # len / (4 x processes), which at 1024 slots sends one item per chunk
+        # of short tasks and swamps the owner.
         job = MapResult(
             self._engine, func, items, chunksize, mode, callback, error_callback
         )

@@ -45,7 +45,7 @@ import cloudpickle
 from . import channel, cluster, config, security
 from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
-from .poolresults import MapResult
+from .poolresults import MapResult, measured_chunksize
 from .poolworker import run_pool_worker
 
 __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
@@ -314,6 +314,14 @@ class PoolEngine:
             self._cache.discard(job)
             if not self._cache and self.state == CLOSE:
                 self._wake()
+
+    def measured_chunksize(self, func: Any, left: int) -> int:
+        """Items in the next chunk of a map of ``func`` sized by measurement
+        (:func:`fiber_dask.poolresults.measured_chunksize`; call under the
+        lock, as the dispatcher does)."""
+        entry = self._fids.get(id(func))
+        per_item = entry[3] if entry is not None and entry[0] is func else None
+        return measured_chunksize(per_item, self.processes, left)
 
     def job_consumed(self) -> None:
         """The caller took an imap chunk: back-pressured input may go on."""
@@ -915,10 +923,9 @@ class PoolEngine:
 
 def _chunks_to_come(job) -> int:
     """Chunks of a ``map`` not handed out yet (0 for other jobs)."""
-    if not isinstance(job, MapResult) or job._items is None:
+    if not isinstance(job, MapResult):
         return 0
-    size = job._chunksize
-    return -(-(len(job._items) - job._chunk_index * size) // size)
+    return job._chunks_to_come()
 
 
 def _watch(client: Any, fut: Any, ref: Any, n: int) -> None:
