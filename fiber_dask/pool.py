@@ -220,7 +220,13 @@ class Pool(PoolEngine):
         return job
 
     def map(self, func, iterable, chunksize=None):
-        """Apply ``func`` to each item, in chunks; return the results in order."""
+        """Apply ``func`` to each item, in chunks; return the results in order.
+
+        Without ``chunksize`` (and ``fiber.pool.chunksize`` unset) chunks are
+        sized from the function's measured duration and the pool's slots
+        (:func:`fiber_dask.poolresults.measured_chunksize`; docs/scale.md);
+        a given ``chunksize`` is used as the stdlib uses it.
+        """
         return self._map_async(func, iterable, 0, chunksize).get()
 
     def starmap(self, func, iterable, chunksize=None):
