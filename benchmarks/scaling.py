@@ -17,9 +17,16 @@ repeats), and efficiency = ideal / actual, where ideal =
 ceil(population / slots) x eval-seconds (the sleeps alone, perfectly packed).
 
 Engines: ``fiber_dask`` (one embedded cluster for the whole run, a fresh
-``Pool(slots)`` per slot count) and ``dask`` (plain ``client.map`` of one task
-per evaluation, on a ``LocalCluster`` with exactly ``slots`` threads, started
-per slot count). Slot counts and engines are interleaved within each repeat.
+``Pool(slots)`` per slot count; ``--slot-kind thread`` by default, since 128
+slots per worker process only make sense as threads), ``multiprocessing``
+(``Pool(slots)`` with the fork start method) and ``dask`` (plain
+``client.map`` of one task per evaluation, on a ``LocalCluster`` with exactly
+``slots`` threads, started per slot count). Slot counts and engines are
+interleaved within each repeat.
+
+Startup per slot count: from ``Pool(slots)`` until every slot is running a
+task (fiber_dask: every loop connected; multiprocessing: the pool object
+returned, its processes forked; dask: the cluster's workers joined).
 
 Run from the repository root::
 
@@ -59,7 +66,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.engines import LocalClusterMixin  # noqa: E402
 
-ENGINE_NAMES = ("fiber_dask", "dask")
+ENGINE_NAMES = ("fiber_dask", "multiprocessing", "dask")
 EFFICIENCY_TARGET = 0.80  # issue 6, at 256 slots
 #: The paper's Fiber figures: seconds for 50 iterations, population 2048.
 PAPER_FIBER = {32: 1475.0, 512: 243.0, 1024: 243.0}
@@ -139,6 +146,7 @@ class FiberDaskEngine(Engine):
             {
                 "fiber.local.n-workers": a.processes,
                 "fiber.local.threads-per-worker": a.threads,
+                "fiber.pool.slots": a.slot_kind,
             }
         )
         import fiber_dask
@@ -147,13 +155,14 @@ class FiberDaskEngine(Engine):
         self.version = fiber_dask.__version__
         self.note = (
             f"embedded cluster of {a.processes} worker processes x {a.threads} "
-            "threads; Pool(slots).map, default chunksize"
+            f"threads, {a.slot_kind} slots; Pool(slots).map, default chunksize"
         )
         fiber_dask.init()
         self.pool = None
 
     def open(self, slots: int) -> None:
         self.close()
+        t0 = time.monotonic()
         self.pool = self.fd.Pool(slots)
         # Pool() returns at once and its loops connect as Dask starts them; the
         # figures are for a pool that is up (as the paper's were), so wait until
@@ -163,7 +172,8 @@ class FiberDaskEngine(Engine):
             sum(s.is_alive() for s in self.pool._pool) < slots
             and time.monotonic() < deadline
         ):
-            time.sleep(0.05)
+            time.sleep(0.02)
+        self.startup = time.monotonic() - t0
 
     def map(self, func: Any, items: list) -> list:
         return self.pool.map(func, items)
@@ -179,6 +189,35 @@ class FiberDaskEngine(Engine):
             self.close()
         finally:
             self.fd.shutdown()
+
+
+class MultiprocessingEngine(Engine):
+    """The stdlib: ``multiprocessing.Pool(slots)``, fork start method."""
+
+    name = "multiprocessing"
+
+    def setup(self) -> None:
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("fork")
+        self.version = sys.version.split()[0]
+        self.note = "Pool(slots) per slot count, fork; map, default chunksize"
+        self.pool = None
+
+    def open(self, slots: int) -> None:
+        self.close()
+        t0 = time.monotonic()
+        self.pool = self.ctx.Pool(slots)
+        self.startup = time.monotonic() - t0
+
+    def map(self, func: Any, items: list) -> list:
+        return self.pool.map(func, items)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.terminate()
+            pool.join()
 
 
 class DaskEngine(LocalClusterMixin, Engine):
@@ -199,8 +238,10 @@ class DaskEngine(LocalClusterMixin, Engine):
     def open(self, slots: int) -> None:
         self.close()
         procs = min(self.args.processes, slots)
+        t0 = time.monotonic()
         self.start_cluster(procs, -(-slots // procs), "scaling-dask-")
         self.client.wait_for_workers(procs)
+        self.startup = time.monotonic() - t0
 
     def map(self, func: Any, items: list) -> list:
         return self.client.gather(self.client.map(func, items, pure=False))
@@ -227,10 +268,15 @@ class Benchmark(Harness):
         super().__init__(args)
         self.text_title = self.text_title.format(p=args.population, e=args.eval_seconds)
         self.engines = [
-            {"fiber_dask": FiberDaskEngine, "dask": DaskEngine}[n](args)
+            {
+                "fiber_dask": FiberDaskEngine,
+                "multiprocessing": MultiprocessingEngine,
+                "dask": DaskEngine,
+            }[n](args)
             for n in args.engines
         ]
         self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
+        self.startups: dict[tuple[str, int], list[float]] = {}
 
     def ideal(self, slots: int) -> float:
         a = self.args
@@ -286,10 +332,13 @@ class Benchmark(Harness):
             except Exception:
                 pass
         self.times.setdefault((eng.name, slots), []).extend(times)
+        startup = getattr(eng, "startup", float("nan"))
+        self.startups.setdefault((eng.name, slots), []).append(startup)
         med = median(times)
         log(
-            f"[{r + 1}/{a.repeats}] {slots:4d} slots  {eng.name:<10} "
-            f"{med:7.3f} s/it  efficiency {self.ideal(slots) / med:5.1%}",
+            f"[{r + 1}/{a.repeats}] {slots:4d} slots  {eng.name:<15} "
+            f"{med:7.3f} s/it  efficiency {self.ideal(slots) / med:5.1%}  "
+            f"startup {startup:6.2f} s",
             a.quiet,
         )
 
@@ -302,7 +351,8 @@ class Benchmark(Harness):
         t = median(self.times.get((name, slots), []))
         if math.isnan(t):
             return "-"
-        return f"{t:.3f} ({self.ideal(slots) / t:.0%})"
+        up = median(self.startups.get((name, slots), []))
+        return f"{t:.3f} ({self.ideal(slots) / t:.0%}; up {up:.1f} s)"
 
     def table(self, x: str) -> tuple[list[str], list[list[str]]]:
         names = self.measured()
@@ -351,7 +401,10 @@ class Benchmark(Harness):
                 lambda e: {
                     "seconds_per_iteration": {
                         str(s): self.times.get((e.name, s), []) for s in a.slots
-                    }
+                    },
+                    "startup_s": {
+                        str(s): self.startups.get((e.name, s), []) for s in a.slots
+                    },
                 }
             ),
             "ideal_s": {str(s): self.ideal(s) for s in a.slots},
@@ -371,7 +424,7 @@ class Benchmark(Harness):
         slots = a.slots
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         ax1.plot(slots, [self.ideal(s) for s in slots], "k--", label="ideal")
-        for name, style in zip(self.measured(), ("o-", "s-"), strict=False):
+        for name, style in zip(self.measured(), ("o-", "s-", "^-"), strict=False):
             pts = [(s, median(self.times.get((name, s), []))) for s in slots]
             pts = [(s, t) for s, t in pts if not math.isnan(t)]
             ax1.plot([s for s, _ in pts], [t for _, t in pts], style, label=name)
@@ -408,7 +461,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--slots",
         type=csv_of(int),
         default=None,
-        help="task slot counts (default 8,16,32,64,128,256; --quick 32,256)",
+        help="task slot counts (default 32,64,128,256,512,1024; --quick 32,256)",
     )
     p.add_argument("--population", type=int, default=2048, help="(default 2048)")
     p.add_argument(
@@ -433,8 +486,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--processes",
         type=int,
-        default=4,
-        help="worker processes the slots are spread over (default 4)",
+        default=8,
+        help="worker processes the slots are spread over (default 8)",
+    )
+    p.add_argument(
+        "--slot-kind",
+        choices=("thread", "process"),
+        default="thread",
+        help="fiber.pool.slots for fiber_dask (default thread: W/8 per process)",
     )
     add_choice_list(p, "--engines", ENGINE_NAMES)
     p.add_argument("--quick", action="store_true", help="32 and 256 slots, 1 repeat")
@@ -448,7 +507,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_output_options(p, "also write every iteration's time as JSON")
     a = p.parse_args(argv)
     if a.slots is None:
-        a.slots = [32, 256] if a.quick else [8, 16, 32, 64, 128, 256]
+        a.slots = [32, 256] if a.quick else [32, 64, 128, 256, 512, 1024]
     if a.repeats is None:
         a.repeats = 1 if a.quick else 2
     a.engines = check_choices(p, a.engines, ENGINE_NAMES, "engine")

@@ -220,7 +220,13 @@ class Pool(PoolEngine):
         return job
 
     def map(self, func, iterable, chunksize=None):
-        """Apply ``func`` to each item, in chunks; return the results in order."""
+        """Apply ``func`` to each item, in chunks; return the results in order.
+
+        Without ``chunksize`` (and ``fiber.pool.chunksize`` unset) chunks are
+        sized from the function's measured duration and the pool's slots
+        (:func:`fiber_dask.poolresults.measured_chunksize`; docs/scale.md);
+        a given ``chunksize`` is used as the stdlib uses it.
+        """
         return self._map_async(func, iterable, 0, chunksize).get()
 
     def starmap(self, func, iterable, chunksize=None):
@@ -300,11 +306,12 @@ class Pool(PoolEngine):
         items = list(iterable)
         if chunksize is None:
             chunksize = self._engine.default_chunksize
-        if chunksize is None:
-            chunksize, extra = divmod(len(items), self._processes * 4)
-            if extra:
-                chunksize += 1
-        chunksize = max(int(chunksize), 1)
+        if chunksize is not None:
+            chunksize = max(int(chunksize), 1)
+        # None: sized chunk by chunk from measured task durations
+        # (fiber_dask.poolresults.measured_chunksize), not the stdlib's
+        # len / (4 x processes), which at 1024 slots sends one item per chunk
+        # of short tasks and swamps the owner.
         job = MapResult(
             self._engine, func, items, chunksize, mode, callback, error_callback
         )

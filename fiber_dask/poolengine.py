@@ -46,7 +46,7 @@ from . import channel, cluster, config, poolstats, security
 from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from .poolelastic import Elastic
-from .poolresults import MapResult
+from .poolresults import MapResult, measured_chunksize
 from .poolworker import run_pool_worker
 
 __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
@@ -289,8 +289,7 @@ class PoolEngine:
         self.state = RUN
         _live.add(self)
         try:
-            for position in range(self.processes):
-                self._submit_loop(position)
+            self._submit_loops(range(self.processes))
         except BaseException:
             self.state = TERMINATE
             self._release()
@@ -324,6 +323,14 @@ class PoolEngine:
             self._cache.discard(job)
             if not self._cache and self.state == CLOSE:
                 self._wake()
+
+    def measured_chunksize(self, func: Any, left: int) -> int:
+        """Items in the next chunk of a map of ``func`` sized by measurement
+        (:func:`fiber_dask.poolresults.measured_chunksize`; call under the
+        lock, as the dispatcher does)."""
+        entry = self._fids.get(id(func))
+        per_item = entry[3] if entry is not None and entry[0] is func else None
+        return measured_chunksize(per_item, self.processes, left)
 
     def job_consumed(self) -> None:
         """The caller took an imap chunk: back-pressured input may go on."""
@@ -760,32 +767,49 @@ class PoolEngine:
 
     # -------------------------------------------------------------- the loops
 
-    def _submit_loop(self, position: int) -> None:
-        n = next(self._loop_numbers)
-        fut = self._client.submit(
+    def _submit_loops(self, positions: Any) -> None:
+        """Submit one loop task per slot position, all in one ``client.map``.
+
+        One graph update for all of them: the scheduler handles a submit in
+        about as long as a map of many (an ``update-graph`` each), so a
+        1024-slot pool submitted task by task had its last loops reach the
+        scheduler tens of seconds after the first (issue 15).
+        """
+        positions = list(positions)
+        if not positions:
+            return
+        numbers = [next(self._loop_numbers) for _ in positions]
+        loop = functools.partial(
             run_pool_worker,
             self._server.address,
             self._server.authkey,
             self._service,
-            n,
-            self._init_blob,
-            self._maxtasks,
+        )
+        k = len(numbers)
+        futs = self._client.map(
+            loop,
+            numbers,
+            [self._init_blob] * k,
+            [self._maxtasks] * k,
             # Thread slots: on a cluster we started, a task that ignores
             # terminate() for _TERMINATE_GRACE ends its worker process (the
             # nanny starts another).  Slot processes end only themselves
             # (fiber_dask.slots.TERMINATE_GRACE), on any cluster.
-            _TERMINATE_GRACE if self._handle.owned else None,
-            self._slot_kind,  # process | thread (fiber_dask.slots)
-            key=f"fiber-pool-{self._token}-{n}",
+            [_TERMINATE_GRACE if self._handle.owned else None] * k,
+            [self._slot_kind] * k,  # process | thread (fiber_dask.slots)
+            key=[f"fiber-pool-{self._token}-{n}" for n in numbers],
             pure=False,
             resources=self._resources,
         )
-        self._loops[n] = fut
-        self._position[n] = position
-        _watch(self._client, fut, weakref.ref(self), n)
+        ref = weakref.ref(self)
+        for n, position, fut in zip(numbers, positions, futs, strict=True):
+            self._loops[n] = fut
+            self._position[n] = position
+            _watch(self._client, fut, ref, n)
 
     def _maintain(self) -> None:
         """Replace loops that ended while work remains; fail if none can start."""
+        replace: list[int] = []  # slot positions, submitted together below
         while self._loop_done:
             if self._client.status == "connecting" and self.state != TERMINATE:
                 break  # the client is reconnecting: replace the loops after that
@@ -821,8 +845,10 @@ class PoolEngine:
                     )
                 )
                 continue
+            replace.append(position)
+        if replace and not self.broken:
             try:
-                self._submit_loop(position)
+                self._submit_loops(replace)
             except Exception as e:
                 self._break(self._lost_scheduler(e))
         if self._elastic is not None:
@@ -922,10 +948,9 @@ class PoolEngine:
 
 def _chunks_to_come(job) -> int:
     """Chunks of a ``map`` not handed out yet (0 for other jobs)."""
-    if not isinstance(job, MapResult) or job._items is None:
+    if not isinstance(job, MapResult):
         return 0
-    size = job._chunksize
-    return -(-(len(job._items) - job._chunk_index * size) // size)
+    return job._chunks_to_come()
 
 
 def _watch(client: Any, fut: Any, ref: Any, n: int) -> None:

@@ -137,6 +137,18 @@ class _Loop:
                 self.executing = False
 
 
+#: Handshakes with the owner one process runs at once.  Thread slots put
+#: a hundred loops in one worker process; dialling all at once only makes
+#: each handshake slower (they share one GIL), and the owner's gate drops
+#: handshakes from one address beyond ``gate.MAX_PER_PEER`` that take over
+#: ``gate.MIN_AGE`` (issue 15: a 1024-slot pool lost loops that way).
+_DIAL_AT_ONCE = 4
+_dialling = threading.BoundedSemaphore(_DIAL_AT_ONCE)
+#: Seconds a loop keeps retrying a handshake the owner dropped (a crowded
+#: gate), with a jittered backoff from 50 ms up to 1 s between attempts.
+_REDIAL_FOR = 60.0
+
+
 def connect_to_owner(
     address: tuple[str, int],
     authkey: bytes,
@@ -145,21 +157,36 @@ def connect_to_owner(
     worker: str | None = None,
 ) -> Any:
     """Connect to the pool's owner: a channel ``Connection``, or the
-    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string)."""
-    try:
-        return channel.connect(
-            address,
-            authkey,
-            service,
-            hello={"pid": os.getpid(), "worker": worker, "slot": slot},
-        )
-    except channel.Unreachable as e:
-        # Not "no-pool": the pool counts this as a failed loop, so that it
-        # fails with an error naming the address instead of starting loops
-        # that cannot connect forever.
-        return f"{proto.Reason.UNREACHABLE}: {e}"
-    except channel.ChannelError:  # the pool is gone (closed): nothing to do
-        return proto.Reason.NO_POOL
+    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string).
+
+    A handshake cut by the owner's side (its gate drops the oldest of too
+    many handshakes from one host, as when a thousand loops start together)
+    is tried again, for up to ``_REDIAL_FOR`` seconds; nothing is unpickled
+    before the owner has authenticated, so a retry costs only time.
+    """
+    import random
+
+    hello = {"pid": os.getpid(), "worker": worker, "slot": slot}
+    deadline = time.monotonic() + _REDIAL_FOR
+    pause = 0.05
+    while True:
+        try:
+            with _dialling:
+                return channel.connect(address, authkey, service, hello=hello)
+        except channel.Unreachable as e:
+            # Not "no-pool": the pool counts this as a failed loop, so that it
+            # fails with an error naming the address instead of starting loops
+            # that cannot connect forever.
+            return f"{proto.Reason.UNREACHABLE}: {e}"
+        except channel.ChannelError:  # the pool is gone (closed): nothing to do
+            return proto.Reason.NO_POOL
+        except (ConnectionResetError, BrokenPipeError, EOFError) as e:
+            # Accepted, then cut during the handshake: a crowded gate.
+            if time.monotonic() > deadline:
+                why = f"the owner kept cutting the handshake ({e!r})"
+                return f"{proto.Reason.UNREACHABLE}: {why}"
+        time.sleep(pause * (0.5 + random.random()))
+        pause = min(1.0, pause * 2)
 
 
 def serve(

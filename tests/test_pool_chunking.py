@@ -1,0 +1,98 @@
+"""Chunking by measurement (issue 15): a map whose caller gives no chunksize
+is cut into chunks sized from the function's measured duration and the
+pool's slots.  The results and their order are the stdlib's; the chunk
+counts prove the sizes adapt (counted, never timed)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+from distributed import Client
+from helpers_cluster import loopback_cluster
+from helpers_poolcore import counted_square, executions
+from support.wait import wait_for_file
+
+import fiber_dask
+from fiber_dask.poolresults import measured_chunksize
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def triple(x):
+    return 3 * x
+
+
+def add(a, b):
+    return a + b
+
+
+def nap(x):
+    time.sleep(0.02)
+    return -x
+
+
+def test_the_rule():
+    assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
+    assert measured_chunksize(0.01, 1024, 10**6) == 21  # ~0.2 s chunks
+    assert measured_chunksize(0.2, 1024, 2048) == 1  # long tasks: one each
+    assert measured_chunksize(1e-6, 2, 10**6) == 5000  # 5 ms at least
+    # Never fewer than two chunks per slot of what is left.
+    assert measured_chunksize(1e-6, 2, 100) == 25
+    assert measured_chunksize(1e-6, 2, 1) == 1
+
+
+def test_map_without_chunksize_equals_the_stdlib(ctx):
+    items = list(range(3001))
+    with ctx.Pool(2) as pool:
+        assert pool.map(triple, items) == [3 * x for x in items]
+        pairs = [(x, -2 * x) for x in items]
+        assert pool.starmap(add, pairs) == [-x for x in items]
+        assert pool.map_async(triple, items).get(timeout=120) == [3 * x for x in items]
+        assert pool.map(triple, []) == []
+        assert pool.map(triple, [5]) == [15]
+
+
+def test_chunks_adapt_to_the_task_duration(fiber_ctx):
+    with fiber_ctx.Pool(2) as pool:
+        fast = pool.map_async(triple, range(20000))
+        assert fast.get(timeout=120) == [3 * x for x in range(20000)]
+        # The stdlib rule would cut 8 chunks of 2500; item by item would be
+        # 20000.  Measured: single items until the first result, then chunks
+        # of at least 5 ms of work that shrink toward the end.
+        assert 8 < fast._chunk_index < 2000, fast._chunk_index
+        slow = pool.map_async(nap, range(24))
+        assert slow.get(timeout=120) == [-x for x in range(24)]
+        # 20 ms a task is longer than a chunk's 5 ms: one item per chunk,
+        # where the stdlib rule sends 8 chunks of 3.
+        assert slow._chunk_index == 24
+
+
+def test_a_given_chunksize_keeps_the_stdlib_rule(fiber_ctx):
+    with fiber_ctx.Pool(2) as pool:
+        res = pool.map_async(triple, range(100), chunksize=7)
+        assert res.get(timeout=120) == [3 * x for x in range(100)]
+        assert res._chunk_index == 15  # ceil(100 / 7)
+
+
+def test_measured_chunks_rerun_after_a_sigkill(tmp_path):
+    """A slot process SIGKILLed while it runs a chunk cut by measurement:
+    every result is right and the killed item ran again (counted)."""
+    d = str(tmp_path)
+    victim = 1500
+    with loopback_cluster(2) as cluster, Client(cluster, set_as_default=False) as c:
+        with fiber_dask.Pool(2, client=c) as pool:
+            res = pool.map_async(
+                functools.partial(counted_square, directory=d, victims=(victim,)),
+                range(3000),
+            )
+            path = wait_for_file(os.path.join(d, f"started-{victim}"), timeout=90)
+            with open(path) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+            assert res.get(timeout=150) == [x * x for x in range(3000)]
+            assert res._chunk_index < 3000  # chunks of several items were sent
+    assert executions(d, victim) == 2
+    assert all(executions(d, x) >= 1 for x in range(0, 3000, 97))
