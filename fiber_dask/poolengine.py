@@ -530,10 +530,19 @@ class PoolEngine:
 
     def _on_connect(self, conn, hello) -> None:
         with self._lock:
-            if self.state == TERMINATE or self._stop_sent is not None or self._released:
+            # Closed with no work left: a loop still starting is let in only
+            # to run the initializer (as every stdlib worker does), then stops.
+            late = self._stop_sent is not None
+            if (
+                self.state == TERMINATE
+                or self._released
+                or (late and self._init_blob is None)
+            ):
                 channel.hangup(conn)
                 return
             peer = self._peers[conn] = _Peer(conn, hello or {})
+            if late:
+                _send_quietly(peer, proto.STOP)
             if peer.loop in self._position:
                 self._peer_at[self._position[peer.loop]] = peer
                 self._connected.add(peer.loop)
@@ -607,11 +616,12 @@ class PoolEngine:
                 self._stop_sent = time.monotonic()
                 for peer in self._peers.values():
                     _send_quietly(peer, proto.STOP)
-                self._release_loops(only_unconnected=True)
+                if self._init_blob is None:
+                    self._release_loops(only_unconnected=True)
             if time.monotonic() - self._stop_sent > _STOP_GRACE:
                 return False
             now = time.monotonic()
-            if self._peers:
+            if self._peers or (self._init_blob is not None and self._loops_starting()):
                 self._quiet_since = now
             elif not self._loops_running() or now - self._quiet_since > _SETTLE:
                 return False
@@ -867,6 +877,16 @@ class PoolEngine:
             f.status == "pending"
             for n, f in list(self._loops.items())
             if n in self._connected
+        )
+
+    def _loops_starting(self) -> bool:
+        """A loop's Dask task is pending and has not connected yet."""
+        if self._client.status != "running":
+            return False
+        return any(
+            f.status == "pending"
+            for n, f in list(self._loops.items())
+            if n not in self._connected
         )
 
     def _release_claim(self) -> None:
