@@ -58,6 +58,8 @@ _MAX_DEPTH = 64
 _FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
 _TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
 _SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
+#: Seconds PoolSlot.pid waits for a slot's process that is starting.
+_PID_WAIT = 30.0
 _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
 #: Seconds terminate() + join() (and interpreter exit) wait for the loops to
 #: hang up and their Dask tasks to end; longer than _TERMINATE_GRACE, after
@@ -149,11 +151,32 @@ class PoolSlot:
     def _peer(self) -> _Peer | None:
         return self._engine._peer_at.get(self._position)
 
+    def _starting(self) -> bool:
+        """A loop was submitted for this slot and has not connected yet."""
+        engine = self._engine
+        if engine.state not in (RUN, CLOSE):
+            return False
+        return any(
+            pos == self._position and n not in engine._connected
+            for n, pos in list(engine._position.items())
+        )
+
     @property
     def pid(self) -> int | None:
-        """The pid of the process running this slot's tasks (None until connected)."""
-        peer = self._peer()
-        return None if peer is None else peer.pid
+        """The pid of the process running this slot's tasks.  While that
+        process is starting (after ``Pool()``, after a recycle) this waits for
+        it, as ``Process.pid`` does, at most ``_PID_WAIT`` seconds; None if no
+        process serves the slot then."""
+        deadline = time.monotonic() + _PID_WAIT
+        delay = 0.005
+        while True:
+            peer = self._peer()
+            if peer is not None:
+                return peer.pid
+            if not self._starting() or time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
 
     @property
     def worker(self) -> str | None:

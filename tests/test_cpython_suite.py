@@ -13,16 +13,18 @@ from __future__ import annotations
 import os
 import sys
 
+import helpers_cpython
 import pytest
+from support.wait import wait_until
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cpython"))
 import run as cpython_run  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
 CLASSES = ["WithProcessesTestValue", "WithProcessesTestSharedCTypes"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_fast_subset_passes_where_the_stdlib_passes(tmp_path):
     paths = {t: str(tmp_path / f"{t}.jsonl") for t in ("stdlib", "fiber")}
     for target, path in paths.items():
@@ -38,3 +40,108 @@ def test_fast_subset_passes_where_the_stdlib_passes(tmp_path):
         if ours.get((c, t), {}).get("outcome") != "pass"
     }
     assert missing == {}
+
+
+# ---------------------------------------------------------------------------
+# What the CPython suite checks that fiber-dask used to do differently, as
+# stdlib-oracle tests (each runs against the stdlib and fiber-dask).
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_pool_state_can_be_forced_and_del_warns(ctx):
+    # test_resource_warning: code sets pool._state; __del__ then warns.
+    import gc
+    import multiprocessing.pool
+
+    pool = ctx.Pool(1)
+    pool.terminate()
+    pool.join()
+    pool._state = multiprocessing.pool.RUN
+    assert pool._state == multiprocessing.pool.RUN
+    with pytest.warns(ResourceWarning, match="unclosed running multiprocessing pool"):
+        pool = None
+        gc.collect()
+
+
+def test_pool_forced_state_does_not_revive_a_terminated_pool(fiber_ctx):
+    import multiprocessing.pool
+
+    pool = fiber_ctx.Pool(1)
+    pool.terminate()
+    pool.join()
+    pool._state = multiprocessing.pool.RUN
+    with pytest.raises(ValueError, match="Pool not running"):
+        pool.apply(helpers_cpython.square, (2,))
+    pool._state = multiprocessing.pool.TERMINATE  # no warning at collection
+
+
+def test_pool_pids_are_known_after_pool_returns_and_change_on_recycle(ctx):
+    # test_pool_worker_lifetime: the pids right after Pool(), then fresh ones
+    # after maxtasksperchild; _repopulate_pool exists.
+    pool = ctx.Pool(2, maxtasksperchild=2)
+    try:
+        first = [slot.pid for slot in pool._pool]
+        assert None not in first and len(first) == 2
+        assert pool.map(helpers_cpython.square, range(20), chunksize=1) == [
+            x * x for x in range(20)
+        ]
+        pool._repopulate_pool()
+        wait_until(
+            lambda: all(slot.is_alive() for slot in pool._pool), 60, "slots alive"
+        )
+        later = [slot.pid for slot in pool._pool]
+        assert None not in later
+        assert sorted(later) != sorted(first)
+    finally:
+        pool.close()
+        pool.join()
+
+
+def test_pool_initializer_runs_even_with_no_task(ctx, tmp_path):
+    # TestInitializers.test_pool_initializer: close() + join() right away.
+    path = str(tmp_path / "pids")
+    pool = ctx.Pool(2, helpers_cpython.record_pid, (path,))
+    pool.close()
+    pool.join()
+    with open(path) as f:
+        pids = f.read().split()
+    assert len(pids) == 2 and len(set(pids)) == 2
+
+
+def test_shared_memory_attached_in_a_child_survives_its_exit(ctx):
+    # test_shared_memory_across_processes: the child shares its parent's
+    # resource tracker, so its exit does not unlink the segment.
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        for data in (b"howdy", b"HELLO"):
+            p = ctx.Process(
+                target=helpers_cpython.attach_and_write, args=(shm.name, data)
+            )
+            p.start()
+            p.join()
+            assert p.exitcode == 0
+            assert bytes(shm.buf[:5]) == data
+            # Still there: another process can attach to it.
+            again = shared_memory.SharedMemory(shm.name)
+            again.close()
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def test_child_reuses_a_live_resource_tracker(ctx):
+    # TestResourceTracker.test_resource_tracker_reused.
+    from multiprocessing.resource_tracker import _resource_tracker
+
+    _resource_tracker.ensure_running()
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(
+        target=helpers_cpython.tracker_shared, args=(w, _resource_tracker._pid)
+    )
+    p.start()
+    assert r.poll(60)
+    assert r.recv() is True
+    p.join()
