@@ -34,3 +34,8 @@ def tracker_shared(conn, parent_pid: int | None) -> None:
         _resource_tracker._pid in (None, parent_pid)
         and _resource_tracker._check_alive()
     )
+
+
+def wait_at(barrier) -> int:
+    """A Pool task: wait until as many tasks as the barrier's parties run at once."""
+    return barrier.wait(timeout=90)

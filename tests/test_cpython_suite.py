@@ -145,3 +145,32 @@ def test_child_reuses_a_live_resource_tracker(ctx):
     assert r.poll(60)
     assert r.recv() is True
     p.join()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_manager_pool_gets_its_slots_on_the_embedded_cluster():
+    # WithManagerTestPool: a manager's Pool(n) runs in the manager's server
+    # process, attached to this process's embedded cluster; it must get n
+    # slots at once (the cluster grows for it, as for a Pool made here), and
+    # give them back when terminated.
+    import fiber_dask
+    from fiber_dask import cluster
+
+    client = cluster.get_client()
+    n = len(client.scheduler_info()["workers"]) + 1
+    with fiber_dask.Manager() as manager:
+        barrier = manager.Barrier(n)
+        pool = manager.Pool(n)
+        try:
+            # Each task waits until all n run at once: n slots exist.
+            out = pool.map(helpers_cpython.wait_at, [barrier] * n, chunksize=1)
+            assert sorted(out) == list(range(n))
+        finally:
+            pool.terminate()
+            pool.join()
+        wait_until(
+            lambda: fiber_dask.peerslots.peer_slots() == 0,
+            30,
+            "the manager's claim to be withdrawn",
+        )
