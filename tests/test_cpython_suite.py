@@ -174,3 +174,21 @@ def test_manager_pool_gets_its_slots_on_the_embedded_cluster():
             30,
             "the manager's claim to be withdrawn",
         )
+
+
+def test_a_dropped_running_pool_gives_its_slots_back(fiber_ctx):
+    # A Pool nobody closed, once collected, releases its claim at once (its
+    # __del__ warns and terminates), so the next pool is not sized around it.
+    import gc
+
+    from fiber_dask import cluster
+
+    handle = cluster.get_handle()
+    before = cluster.slots_in_use(handle)
+    pool = fiber_ctx.Pool(2)
+    assert pool.apply(helpers_cpython.square, (3,)) == 9
+    assert cluster.slots_in_use(handle) == before + 2
+    with pytest.warns(ResourceWarning, match="unclosed running multiprocessing pool"):
+        del pool
+        gc.collect()
+    assert cluster.slots_in_use(handle) == before
