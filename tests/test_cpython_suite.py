@@ -6,6 +6,12 @@ The classes are run against the stdlib and, under ``fiber-dask run
 pass on fiber-dask.  They cover the swap of the ``test`` package itself (the
 suite imports at all), Pipe ends with ``fileno()``/``wait()``-based polling, and
 Structure-typed, raw and locked ctypes values.
+
+The tests after it check, with the stdlib as the oracle, what the suite's
+tests found fiber-dask doing differently: ``Pool._state``/``_pool``/
+``_repopulate_pool``, the initializer of a pool closed before any task, a
+child's shared resource tracker (shared memory attached in a child), and the
+slots of a pool made in a manager's server.
 """
 
 from __future__ import annotations
