@@ -36,7 +36,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import config, mainguard
+from . import config, mainguard, peerslots
 from .backends import ClusterHandle, load_backend
 from .backends import address as address_rules
 from .backends.address import configured_address
@@ -415,6 +415,9 @@ class SlotClaim:
                 key = id(self.handle)
                 _slots_in_use[key] = max(0, _slots_in_use.get(key, 0) - self.n)
                 _live_claims.discard(self)
+            else:
+                return
+        peerslots.tell_owner(self.handle, self, 0)
 
     def resize(self, n: int) -> None:
         """Hold ``n`` slots from now on: an elastic pool gave some back, or asks
@@ -441,7 +444,9 @@ def claim_slots(handle: ClusterHandle, n: int) -> SlotClaim:
         key = id(handle)
         _slots_in_use[key] = needed = _slots_in_use.get(key, 0) + n
         _live_claims.add(claim)
-    ensure_slots(handle, needed)
+    # Attached processes (a manager's server, a child) claim with the owner.
+    ensure_slots(handle, needed + peerslots.peer_slots())
+    peerslots.tell_owner(handle, claim, n)
     return claim
 
 

@@ -187,6 +187,21 @@ def _security_env(security: Any) -> dict:
     return env
 
 
+def _resource_tracker_fd() -> int | None:
+    """The worker's ``multiprocessing`` resource-tracker pipe, which the child
+    shares as a stdlib spawned child shares its parent's: a shared-memory
+    segment the child attaches to is then not unlinked when the child exits.
+    (A worker the embedded cluster spawned has the parent's own tracker.)"""
+    if sys.platform == "win32":
+        return None
+    try:
+        from multiprocessing import resource_tracker
+
+        return resource_tracker.getfd()
+    except Exception:  # no tracker: the child starts its own, as before
+        return None
+
+
 def _launch(
     conn: Any, payload: bytes, worker_address, scheduler_address, security=None
 ) -> LaunchResult:
@@ -200,14 +215,19 @@ def _launch(
             except OSError:
                 return False
 
+    env = child_env(worker_address, scheduler_address, security)
+    tracker_fd = _resource_tracker_fd()
+    if tracker_fd is not None:
+        env["FIBER_DASK_TRACKER_FD"] = str(tracker_fd)
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "fiber_dask.processchild"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=child_env(worker_address, scheduler_address, security),
+            env=env,
             close_fds=True,
+            pass_fds=() if tracker_fd is None else (tracker_fd,),
         )
     except OSError as e:
         why = f"cannot start the child process on {worker_address}: {e}"

@@ -177,12 +177,36 @@ class Pool(PoolEngine):
     @property
     def _state(self) -> str:
         engine = self.__dict__.get("_engine")
-        return INIT if engine is None else engine.state
+        if engine is None:
+            return INIT
+        forced = self.__dict__.get("_forced_state")
+        if forced is not None and forced[1] == engine.state:
+            return forced[0]
+        return engine.state
+
+    @_state.setter
+    def _state(self, value: str) -> None:
+        # The stdlib's _state is a plain attribute that code (and CPython's own
+        # tests) sets; here it is the engine's.  A value set here is what
+        # _state reads until the engine's own state changes; the engine is not
+        # touched (forcing RUN on a terminated pool does not revive it).
+        engine = self.__dict__.get("_engine")
+        self.__dict__["_forced_state"] = (
+            value,
+            INIT if engine is None else engine.state,
+        )
 
     @property
     def _server(self) -> Any:
         """The channel server the loops connect back to (for tests and tools)."""
         return self._engine._server
+
+    def _repopulate_pool(self) -> None:
+        """Replace the slot processes that have ended (the stdlib's handler
+        thread calls its own every 0.1 s).  The pool's result thread already
+        starts a replacement as soon as a slot's loop ends; this wakes it so
+        that it does so now."""
+        self._engine._wake()
 
     @property
     def _pool(self) -> list:
@@ -283,12 +307,13 @@ class Pool(PoolEngine):
 
     def __del__(self, _warn=warnings.warn):
         engine = self.__dict__.get("_engine")
-        if engine is not None and engine.state == RUN:
+        if engine is not None and self._state == RUN:
             _warn(
                 f"unclosed running multiprocessing pool {self!r}",
                 ResourceWarning,
                 source=self,
             )
+        if engine is not None and engine.state == RUN:
             # Let the loops go, without waiting for anything: the engine's
             # result thread winds down by itself.
             engine.abandon()

@@ -59,6 +59,8 @@ _MAX_DEPTH = 64
 _FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
 _TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
 _SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
+#: Seconds PoolSlot.pid waits for a slot's process that is starting.
+_PID_WAIT = 30.0
 _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
 #: Seconds terminate() + join() (and interpreter exit) wait for the loops to
 #: hang up and their Dask tasks to end; longer than _TERMINATE_GRACE, after
@@ -153,11 +155,32 @@ class PoolSlot:
     def _peer(self) -> _Peer | None:
         return self._engine._peer_at.get(self._position)
 
+    def _starting(self) -> bool:
+        """A loop was submitted for this slot and has not connected yet."""
+        engine = self._engine
+        if engine.state not in (RUN, CLOSE):
+            return False
+        return any(
+            pos == self._position and n not in engine._connected
+            for n, pos in list(engine._position.items())
+        )
+
     @property
     def pid(self) -> int | None:
-        """The pid of the process running this slot's tasks (None until connected)."""
-        peer = self._peer()
-        return None if peer is None else peer.pid
+        """The pid of the process running this slot's tasks.  While that
+        process is starting (after ``Pool()``, after a recycle) this waits for
+        it, as ``Process.pid`` does, at most ``_PID_WAIT`` seconds; None if no
+        process serves the slot then."""
+        deadline = time.monotonic() + _PID_WAIT
+        delay = 0.005
+        while True:
+            peer = self._peer()
+            if peer is not None:
+                return peer.pid
+            if not self._starting() or time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
 
     @property
     def worker(self) -> str | None:
@@ -550,10 +573,19 @@ class PoolEngine:
 
     def _on_connect(self, conn, hello) -> None:
         with self._lock:
-            if self.state == TERMINATE or self._stop_sent is not None or self._released:
+            # Closed with no work left: a loop still starting is let in only
+            # to run the initializer (as every stdlib worker does), then stops.
+            late = self._stop_sent is not None
+            if (
+                self.state == TERMINATE
+                or self._released
+                or (late and self._init_blob is None)
+            ):
                 channel.hangup(conn)
                 return
             peer = self._peers[conn] = _Peer(conn, hello or {})
+            if late:
+                _send_quietly(peer, proto.STOP)
             if peer.loop in self._position:
                 self._peer_at[self._position[peer.loop]] = peer
                 self._connected.add(peer.loop)
@@ -627,11 +659,12 @@ class PoolEngine:
                 self._stop_sent = time.monotonic()
                 for peer in self._peers.values():
                     _send_quietly(peer, proto.STOP)
-                self._release_loops(only_unconnected=True)
+                if self._init_blob is None:
+                    self._release_loops(only_unconnected=True)
             if time.monotonic() - self._stop_sent > _STOP_GRACE:
                 return False
             now = time.monotonic()
-            if self._peers:
+            if self._peers or (self._init_blob is not None and self._loops_starting()):
                 self._quiet_since = now
             elif not self._loops_running() or now - self._quiet_since > _SETTLE:
                 return False
@@ -917,6 +950,16 @@ class PoolEngine:
             f.status == "pending"
             for n, f in list(self._loops.items())
             if n in self._connected
+        )
+
+    def _loops_starting(self) -> bool:
+        """A loop's Dask task is pending and has not connected yet."""
+        if self._client.status != "running":
+            return False
+        return any(
+            f.status == "pending"
+            for n, f in list(self._loops.items())
+            if n not in self._connected
         )
 
     def _release_claim(self) -> None:

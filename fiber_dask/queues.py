@@ -9,8 +9,11 @@ authenticated direct channel (see ``objserver``).  So:
   items put and not yet taken stay; an item the owner was handing to a consumer
   that died is put back at the front;
 - values are pickled in ``put()`` (cloudpickle: lambdas and ``__main__`` classes
-  travel too), so an unpicklable object fails there, in the caller, with the
-  pickler's own error, and types survive exactly (a list stays a list);
+  travel too) and types survive exactly (a list stays a list).  An object that
+  cannot be pickled is handed to ``Queue._on_queue_feeder_error(e, obj)``, which
+  prints the traceback, and the queue goes on, as the stdlib's feeder thread
+  does; ``SimpleQueue.put`` raises the pickler's error in the caller, as the
+  stdlib's does;
 - a producer's puts stay in order (one ordered connection per process and
   queue); on an unbounded queue they are pipelined, without a round trip.
 """
@@ -419,9 +422,30 @@ class Queue:
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj``; with ``block`` wait up to ``timeout`` s for room
-        (``queue.Full`` then).  ``obj`` is pickled now, in the caller."""
+        (``queue.Full`` then).
+
+        ``obj`` is pickled now, in the caller.  If that fails, the error goes
+        to :meth:`_on_queue_feeder_error` (which prints it) and nothing is put,
+        as with the stdlib, whose feeder thread reports it the same way.
+        """
         self._check_closed()
-        blob = _dumps(obj)
+        try:
+            blob = _dumps(obj)
+        except Exception as e:
+            self._on_queue_feeder_error(e, obj)
+            return
+        self._put_blob(blob, block, timeout)
+
+    @staticmethod
+    def _on_queue_feeder_error(e: BaseException, obj: Any) -> None:
+        """Called with the error and the object when ``obj`` cannot be
+        pickled for a ``put``; override it to handle that (the stdlib's hook,
+        same signature).  The default prints the traceback to stderr."""
+        import traceback
+
+        traceback.print_exc()
+
+    def _put_blob(self, blob: bytes, block: bool, timeout: float | None) -> None:
         target = self._target
         if isinstance(target, Remote):
             if self._maxsize == SEM_VALUE_MAX:
@@ -520,11 +544,49 @@ class Queue:
         if not self._closed:
             raise AssertionError(f"Queue {self!r} not closed")
 
+    @property
+    def _reader(self) -> _QueueEnd:
+        """The receiving end, as the stdlib's queues have one (an OS pipe end
+        there): only ``closed``/``readable``/``writable`` and ``close()``."""
+        return _QueueEnd(self, readable=True)
+
+    @property
+    def _writer(self) -> _QueueEnd:
+        """The sending end (see :attr:`_reader`)."""
+        return _QueueEnd(self, readable=False)
+
     def cancel_join_thread(self) -> None:
         """Do not wait at process exit for this process's unsent puts (they may
         be lost), as the stdlib's does."""
         if self._feeder is not None:
             self._feeder.cancelled = True
+
+
+class _QueueEnd:
+    """What ``Queue._reader``/``_writer`` are: the stdlib's are the two
+    Connection ends of an OS pipe; a fiber-dask queue has no pipe, so only the
+    state code reads (``closed``) and ``close()`` exist here."""
+
+    __slots__ = ("_queue", "readable", "writable")
+
+    def __init__(self, q: Queue, readable: bool) -> None:
+        self._queue = q
+        self.readable = readable
+        self.writable = not readable
+
+    @property
+    def closed(self) -> bool:
+        return self._queue._closed
+
+    def close(self) -> None:
+        self._queue.close()
+
+    def fileno(self) -> int:
+        raise NotImplementedError(
+            "a fiber-dask queue has no OS pipe, so its _reader/_writer have no file "
+            "descriptor; wait on a fiber-dask Pipe end instead, whose fileno() "
+            "works with multiprocessing.connection.wait()"
+        )
 
 
 class JoinableQueue(Queue):
@@ -557,7 +619,10 @@ class SimpleQueue(Queue):
         super().__init__(0, ctx=ctx)
 
     def put(self, obj: Any) -> None:  # type: ignore[override]
-        super().put(obj)
+        """Put ``obj``; an object that cannot be pickled raises here, in the
+        caller, as with the stdlib's SimpleQueue (which has no feeder)."""
+        self._check_closed()
+        self._put_blob(_dumps(obj), True, None)
 
     def get(self) -> Any:  # type: ignore[override]
         return super().get()

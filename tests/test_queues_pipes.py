@@ -184,11 +184,60 @@ def test_pipe_big_message(ctx):
     sender.join()
 
 
-def test_fiber_queue_put_of_unpicklable_fails_in_the_caller(fiber_ctx):
-    q = fiber_ctx.Queue()
+def _queues_module(ctx):
+    import multiprocessing.queues as stdlib_queues
+
+    import fiber_dask.queues as fiber_queues
+
+    if isinstance(ctx, multiprocessing.context.BaseContext):
+        return stdlib_queues
+    return fiber_queues
+
+
+@pytest.mark.parametrize("maxsize", [0, 1])
+def test_queue_put_of_unpicklable_goes_to_the_feeder_error_hook(ctx, maxsize):
+    # The stdlib's feeder thread hands the error to _on_queue_feeder_error and
+    # goes on; the caller's put() does not raise, and nothing is counted.
+    errors = []
+
+    class HookedQueue(_queues_module(ctx).Queue):
+        @staticmethod
+        def _on_queue_feeder_error(e, obj):
+            errors.append((type(e), type(obj)))
+
+    q = HookedQueue(maxsize, ctx=ctx)
+    q.put(threading.Lock())
+    q.put("after")
+    assert q.get(timeout=10) == "after"
+    wait_until(lambda: errors, 10, "the feeder error hook to be called")
+    assert errors == [(TypeError, type(threading.Lock()))]
+    assert q.empty()
+    q.close()
+
+
+def test_queue_feeder_error_default_prints_the_traceback(ctx, capfd):
+    q = ctx.Queue()
+    q.put(threading.Lock())
+    q.put(1)
+    assert q.get(timeout=10) == 1
+    q.close()
+    q.join_thread()
+    assert "TypeError" in capfd.readouterr().err
+
+
+def test_simple_queue_put_of_unpicklable_raises_in_the_caller(ctx):
+    q = ctx.SimpleQueue()
     with pytest.raises(TypeError, match="pickle"):
         q.put(threading.Lock())
     assert q.empty()
+
+
+def test_simple_queue_reader_and_writer_closed(ctx):
+    q = ctx.SimpleQueue()
+    assert not q._reader.closed and not q._writer.closed
+    assert q._reader.readable and q._writer.writable
+    q.close()
+    assert q._reader.closed and q._writer.closed
 
 
 # ------------------------------------------------------- across the cluster
