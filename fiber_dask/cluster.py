@@ -456,6 +456,27 @@ def slots_in_use(handle: ClusterHandle) -> int:
         return _slots_in_use.get(id(handle), 0)
 
 
+def _owns_scheduler(dask_scheduler: Any) -> bool:
+    """Whether this process started the cluster ``dask_scheduler`` belongs to."""
+    handle = _handle
+    return (
+        handle is not None
+        and handle.owned
+        and handle.cluster is not None
+        and getattr(handle.cluster, "scheduler", None) is dask_scheduler
+    )
+
+
+def _grow_for_peers(peers: int) -> None:
+    """Size this process's cluster for its own pools plus attached ones'."""
+    handle = _handle
+    if handle is not None:
+        ensure_slots(handle, slots_in_use(handle) + peers)
+
+
+peerslots.serve_owner_side(_owns_scheduler, _grow_for_peers)
+
+
 # ------------------------------------------------------------------- health
 
 

@@ -34,6 +34,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from . import poolstats
+from .backends.base import scheduler_preloads as preload_modules
 
 __all__ = [
     "PoolDashboard",
@@ -101,17 +102,6 @@ def dask_setup(scheduler: Any) -> None:
     if PoolDashboard.name not in scheduler.plugins:
         # Started by the scheduler right after its preloads.
         scheduler.add_plugin(PoolDashboard())
-
-
-def preload_modules() -> list[str]:
-    """The scheduler preloads of a cluster fiber-dask starts: the configured
-    ``distributed.scheduler.preload`` list plus this module."""
-    import dask
-
-    configured = dask.config.get("distributed.scheduler.preload") or []
-    if isinstance(configured, str):
-        configured = [configured]
-    return [*configured, *([] if __name__ in configured else [__name__])]
 
 
 # ----------------------------------------------------------------- the routes

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: The owner side, handed in by :mod:`fiber_dask.cluster` (the layer that owns
+#: cluster sizing; this module does not import it): ``owns(dask_scheduler)``
+#: is whether this process started that scheduler's cluster, ``grow(peers)``
+#: sizes it for its own pools plus ``peers`` slots.
+_owner_side: tuple[Callable[[Any], bool], Callable[[int], None]] | None = None
+
+
+def serve_owner_side(owns: Callable[[Any], bool], grow: Callable[[int], None]) -> None:
+    """Called once by :mod:`fiber_dask.cluster`; see :data:`_owner_side`."""
+    global _owner_side
+    _owner_side = (owns, grow)
+
+
 def _peer_claim(key: tuple[int, int], n: int, dask_scheduler: Any = None) -> bool:
     """In the owner (on the scheduler's event loop): record ``n`` slots for
     ``key`` (0 withdraws it) and grow the cluster for all claims at once.
     False if this process does not own the cluster of ``dask_scheduler``."""
-    from . import cluster
-
-    handle = cluster._handle
-    if handle is None or not handle.owned or handle.cluster is None:
+    if _owner_side is None:
         return False
-    if getattr(handle.cluster, "scheduler", None) is not dask_scheduler:
+    owns, grow = _owner_side
+    if not owns(dask_scheduler):
         return False
     with _lock:
         if n:
@@ -68,8 +79,7 @@ def _peer_claim(key: tuple[int, int], n: int, dask_scheduler: Any = None) -> boo
             del _peer_slots[k]
         peers = sum(_peer_slots.values())
     if n:
-        # Non-blocking: SpecCluster.scale only schedules the new workers.
-        cluster.ensure_slots(handle, cluster.slots_in_use(handle) + peers)
+        grow(peers)  # non-blocking: SpecCluster.scale only schedules the workers
     return True
 
 

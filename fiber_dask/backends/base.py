@@ -115,3 +115,23 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
         raise ClusterConnectionError(failure(timeout, e)) from e
     client._fiber_created = True
     return client
+
+
+#: The scheduler plugin that shows pools on the dashboard (its page, its JSON).
+DASHBOARD_PRELOAD = "fiber_dask.dashboard"
+
+
+def scheduler_preloads() -> list[str]:
+    """The scheduler preloads of a cluster fiber-dask starts: the configured
+    ``distributed.scheduler.preload`` list plus :data:`DASHBOARD_PRELOAD`.
+
+    Named, not imported: a backend starts the scheduler; the dashboard module
+    (above the cluster layer) is imported by the scheduler, not by the backend.
+    """
+    import dask
+
+    configured = dask.config.get("distributed.scheduler.preload") or []
+    if isinstance(configured, str):
+        configured = [configured]
+    extra = [] if DASHBOARD_PRELOAD in configured else [DASHBOARD_PRELOAD]
+    return [*configured, *extra]

@@ -54,9 +54,9 @@ class LocalBackend(Backend):
 
             early = early_templates()
         # The scheduler reports the pools on its dashboard (fiber_dask.dashboard).
-        from ..dashboard import preload_modules
+        from .base import scheduler_preloads
 
-        extra["scheduler_kwargs"] = {"preload": preload_modules()}
+        extra["scheduler_kwargs"] = {"preload": scheduler_preloads()}
         with early, dask.config.set(tick):  # tick: the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,

@@ -178,7 +178,7 @@ def serve(path: str, settings: dict[str, Any]) -> None:
 
     from distributed import LocalCluster
 
-    from ..dashboard import preload_modules
+    from .base import scheduler_preloads
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,7 +195,7 @@ def serve(path: str, settings: dict[str, Any]) -> None:
         host="127.0.0.1",
         scheduler_port=0,
         # The pools of the programs using it, on its dashboard and in `info`.
-        scheduler_kwargs={"preload": preload_modules()},
+        scheduler_kwargs={"preload": scheduler_preloads()},
     )
     try:
         try:
