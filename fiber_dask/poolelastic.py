@@ -221,11 +221,10 @@ class Elastic:
         if not free:
             return
         want = min(len(free), self._demand(len(free)))
-        for position in free[:want]:
-            e._submit_loop(position)
-            if e._claim is not None:
-                e._claim.resize(e._claim.n + 1)
-            self.requested += 1
+        e._submit_loops(free[:want])  # one graph update for all of them
+        if e._claim is not None:
+            e._claim.resize(e._claim.n + want)
+        self.requested += want
         logger.info(
             "fiber-dask: the pool has queued work; asking for %d slot(s) again", want
         )
@@ -283,14 +282,15 @@ class Elastic:
         with e._lock:
             if e.state not in ("RUN", "CLOSE") or e._stop_sent is not None:
                 return
+            positions = []
             for n in stuck[:free]:
                 if n in e._connected or n not in e._loops:
                     continue
                 fut = e._loops.pop(n)
-                position = e._position.pop(n)
+                positions.append(e._position.pop(n))
                 fut.release()
-                e._submit_loop(position)
-                self.moved += 1
+            e._submit_loops(positions)
+            self.moved += len(positions)
         if stuck:
             logger.info(
                 "fiber-dask: %d pool loop(s) waited behind the pool's own loops; "

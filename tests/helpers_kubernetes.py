@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import yaml
+from support.wait import wait_until
 
 CRD_DIR = (
     pathlib.Path(__import__("dask_kubernetes").__file__).parent
@@ -382,14 +383,8 @@ def running_operator() -> Iterator[None]:
 
 
 def wait_for(predicate: Any, timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+    """:func:`support.wait.wait_until` with this module's default timeout."""
+    return wait_until(predicate, timeout, what or "the condition")
 
 
 def env_kubeconfig(path: str) -> dict[str, str]:

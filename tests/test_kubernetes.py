@@ -1154,9 +1154,12 @@ def test_backend_fixed_size_grows_and_attach_never_deletes(nodes: Nodes) -> None
             # complete, and the Deployment brings the pod back.
             with fiber_dask.Pool(2) as pool:
                 result = pool.map_async(_slow_square, range(40), chunksize=1)
-                time.sleep(1.5)
+                hk.wait_for(
+                    lambda: result.progress()[0] >= 2,
+                    what="the map to have results from its pods",
+                )
                 victim = nodes.deployments(owned)[0]
-                assert not result.ready()  # mid-map
+                assert not result.ready()  # mid-map: 40 x 0.25 s on 2 slots
                 nodes.kubelet.kill_pod(victim)
                 assert result.get(timeout=60) == [x * x for x in range(40)]
             hk.wait_for(

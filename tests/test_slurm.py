@@ -183,13 +183,18 @@ POOL_PROCESS_QUEUE = """
         return x * x, os.environ.get("SLURM_JOB_ID")
 
     @fiber_dask.meta(cpu=1)  # every worker declares CPU=1: one such Process each
-    def producer(q, n):
+    def producer(q, n, ready):
+        # Both run at once (each holding its worker's CPU=1), so they are in
+        # different jobs; without the wait a fast producer could end before
+        # the consumer was placed, and the consumer take the freed job.
+        ready.get(timeout=60)
         for i in range(n):
             q.put((i, os.environ["SLURM_JOB_ID"]))
         q.put(None)
 
     @fiber_dask.meta(cpu=1)
-    def consumer(q, back):
+    def consumer(q, back, ready):
+        ready.put(True)
         got = []
         while (item := q.get()) is not None:
             got.append(item)
@@ -212,9 +217,9 @@ POOL_PROCESS_QUEUE = """
                 out["squares"].append([v for v, _ in results])
                 out["task_jobs"] += [j for _, j in results]
 
-        q, back = fiber_dask.Queue(), fiber_dask.Queue()
-        c = fiber_dask.Process(target=consumer, args=(q, back))
-        p = fiber_dask.Process(target=producer, args=(q, 5))
+        q, back, ready = fiber_dask.Queue(), fiber_dask.Queue(), fiber_dask.Queue()
+        c = fiber_dask.Process(target=consumer, args=(q, back, ready))
+        p = fiber_dask.Process(target=producer, args=(q, 5, ready))
         c.start()
         p.start()
         got, consumer_job = back.get(timeout=60)

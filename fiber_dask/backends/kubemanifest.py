@@ -46,6 +46,7 @@ import dask.config
 
 from .. import config
 from ..config import ConfigError, Problem
+from .base import DASHBOARD_PRELOAD
 
 __all__ = [
     "manifests",
@@ -358,15 +359,26 @@ def plan(cfg: Mapping[str, Any], *, default_name: str | None = None) -> Plan:
         scheduler["args"] = ["dask", "scheduler", "--host", "0.0.0.0"]
         scheduler["resources"] = sched_resources
         scheduler["env"] = (env or []) + _scheduler_env(adaptive_cfg)
+    preloads = []
+    if custom is None:
+        # The pools on the scheduler's dashboard and in `fiber-dask info`
+        # (fiber_dask.dashboard; the scheduler runs fiber-dask's image).  A
+        # custom spec's scheduler may run an image without fiber-dask: its pods
+        # stay as written (docs/kubernetes.md says how to add it).
+        preloads.append(DASHBOARD_PRELOAD)
     if groups:
         # The operator's autoscaler resizes the default group only; make the
         # scheduler offer only that group's workers for retirement.
+        preloads.append(_DOWNSCALE_PRELOAD)
+        scheduler["env"] += [
+            {"name": _DOWNSCALE_ENV, "value": f"{name}-default-worker-"},
+        ]
+    if preloads:
         scheduler["env"] += [
             {
                 "name": "DASK_DISTRIBUTED__SCHEDULER__PRELOAD",
-                "value": json.dumps([_DOWNSCALE_PRELOAD]),
+                "value": json.dumps(preloads),
             },
-            {"name": _DOWNSCALE_ENV, "value": f"{name}-default-worker-"},
         ]
     cluster["metadata"] = {
         **cluster.get("metadata", {}),
