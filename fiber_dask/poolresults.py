@@ -41,8 +41,14 @@ __all__ = [
 #: ``slots x`` this, so that the owner's one dispatch thread (some 50-100 us
 #: of work per chunk) stays under half busy however many slots finish chunks.
 CHUNK_SECONDS_PER_SLOT = 2e-4
-#: A chunk lasts at least this long once its function has been measured.
-MIN_CHUNK_SECONDS = 0.005
+#: A chunk lasts at least this long once its function has been measured.  The
+#: owner and the slot spend some 0.3-0.5 ms of CPU on each chunk (dispatch,
+#: pickling, the result's way back); where they share the cores with CPU-bound
+#: tasks (the embedded cluster: slots, owner and cluster on one machine), that
+#: is stolen from the tasks: 5 ms chunks of 10 ms CPU-bound tasks ran 1.08x the
+#: stdlib's map on 2 cores (benchmarks/overhead.py --kinds cpu), 50 ms keep it
+#: under 1 %.  The tail stays short: chunks shrink toward the end of the map.
+MIN_CHUNK_SECONDS = 0.05
 #: Never fewer than this many chunks per slot of what is left to hand out:
 #: every slot gets work, and the chunks shrink toward the end of the map so
 #: that no slot is left with a long last chunk while the others idle.

@@ -256,6 +256,9 @@ def test_fixed_profile_content() -> None:
     routes = yaml.safe_load(env["DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES"])
     assert "distributed.http.scheduler.api" in routes
     assert "distributed.http.health" in routes  # the readiness probe's
+    # the pools on its dashboard and in `fiber-dask info`
+    preload = yaml.safe_load(env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"])
+    assert preload == ["fiber_dask.dashboard"]
     assert not any(name.startswith("DASK_DISTRIBUTED__ADAPTIVE") for name in env)
     assert cluster["metadata"]["name"].startswith("fiber-")
 
@@ -283,6 +286,12 @@ def test_adaptive_profile_content() -> None:
     assert env["DASK_DISTRIBUTED__ADAPTIVE__TARGET_DURATION"] == "30s"
     assert env["DASK_DISTRIBUTED__ADAPTIVE__INTERVAL"] == "1s"
     assert env["DASK_DISTRIBUTED__ADAPTIVE__WAIT_COUNT"] == "3"
+    # one preload list: the dashboard and, with extra groups, the downscale rule
+    preload = yaml.safe_load(env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"])
+    assert preload == ["fiber_dask.dashboard", "fiber_dask.backends.kubescheduler"]
+    assert [e["name"] for e in scheduler["env"]].count(
+        "DASK_DISTRIBUTED__SCHEDULER__PRELOAD"
+    ) == 1
     # the scheduler reads them back as Dask config
     parsed = dask.config.collect_env(env)["distributed"]["adaptive"]
     assert dask.config.get("target-duration", config=parsed) == "30s"

@@ -31,7 +31,7 @@ def add(a, b):
 
 
 def nap(x):
-    time.sleep(0.02)
+    time.sleep(0.1)
     return -x
 
 
@@ -39,7 +39,7 @@ def test_the_rule():
     assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
     assert measured_chunksize(0.01, 1024, 10**6) == 21  # ~0.2 s chunks
     assert measured_chunksize(0.2, 1024, 2048) == 1  # long tasks: one each
-    assert measured_chunksize(1e-6, 2, 10**6) == 5000  # 5 ms at least
+    assert measured_chunksize(1e-6, 2, 10**6) == 50000  # 50 ms at least
     # Never fewer than two chunks per slot of what is left.
     assert measured_chunksize(1e-6, 2, 100) == 25
     assert measured_chunksize(1e-6, 2, 1) == 1
@@ -62,11 +62,11 @@ def test_chunks_adapt_to_the_task_duration(fiber_ctx):
         assert fast.get(timeout=120) == [3 * x for x in range(20000)]
         # The stdlib rule would cut 8 chunks of 2500; item by item would be
         # 20000.  Measured: single items until the first result, then chunks
-        # of at least 5 ms of work that shrink toward the end.
+        # of at least 50 ms of work that shrink toward the end.
         assert 8 < fast._chunk_index < 2000, fast._chunk_index
         slow = pool.map_async(nap, range(24))
         assert slow.get(timeout=120) == [-x for x in range(24)]
-        # 20 ms a task is longer than a chunk's 5 ms: one item per chunk,
+        # 0.1 s a task is longer than a chunk's 50 ms: one item per chunk,
         # where the stdlib rule sends 8 chunks of 3.
         assert slow._chunk_index == 24
 

@@ -695,6 +695,8 @@ def test_hpc_profile_builds_its_job_script(path: pathlib.Path) -> None:
         try:
             script = cluster.job_script()
             per_job, threads = jobqueue._slots(cluster)
+            # its scheduler (in this process) shows the pools: the dashboard plugin
+            assert "fiber-dask-pools" in cluster.scheduler.plugins
         finally:
             cluster.close()
     assert per_job * threads == section["cores"]
