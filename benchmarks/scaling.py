@@ -135,7 +135,23 @@ class Engine:
         self.close()
 
 
-class FiberDaskEngine(Engine):
+class _PoolEngine(Engine):
+    """An engine whose slots are one ``Pool`` (``self.pool``), opened anew per
+    slot count."""
+
+    pool: Any = None
+
+    def map(self, func: Any, items: list) -> list:
+        return self.pool.map(func, items)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.terminate()
+            pool.join()
+
+
+class FiberDaskEngine(_PoolEngine):
     name = "fiber_dask"
 
     def setup(self) -> None:
@@ -175,15 +191,6 @@ class FiberDaskEngine(Engine):
             time.sleep(0.02)
         self.startup = time.monotonic() - t0
 
-    def map(self, func: Any, items: list) -> list:
-        return self.pool.map(func, items)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            pool, self.pool = self.pool, None
-            pool.terminate()
-            pool.join()
-
     def teardown(self) -> None:
         try:
             self.close()
@@ -191,7 +198,7 @@ class FiberDaskEngine(Engine):
             self.fd.shutdown()
 
 
-class MultiprocessingEngine(Engine):
+class MultiprocessingEngine(_PoolEngine):
     """The stdlib: ``multiprocessing.Pool(slots)``, fork start method."""
 
     name = "multiprocessing"
@@ -209,15 +216,6 @@ class MultiprocessingEngine(Engine):
         t0 = time.monotonic()
         self.pool = self.ctx.Pool(slots)
         self.startup = time.monotonic() - t0
-
-    def map(self, func: Any, items: list) -> list:
-        return self.pool.map(func, items)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            pool, self.pool = self.pool, None
-            pool.terminate()
-            pool.join()
 
 
 class DaskEngine(LocalClusterMixin, Engine):
