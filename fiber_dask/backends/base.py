@@ -121,17 +121,18 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
 DASHBOARD_PRELOAD = "fiber_dask.dashboard"
 
 
-def scheduler_preloads() -> list[str]:
-    """The scheduler preloads of a cluster fiber-dask starts: the configured
-    ``distributed.scheduler.preload`` list plus :data:`DASHBOARD_PRELOAD`.
+def scheduler_preloads(configured: str | list[str] | None = None) -> list[str]:
+    """The scheduler preloads of a cluster fiber-dask starts: ``configured``
+    (as distributed's ``Scheduler(preload=)``: None means the
+    ``distributed.scheduler.preload`` config) plus :data:`DASHBOARD_PRELOAD`.
 
     Named, not imported: a backend starts the scheduler; the dashboard module
     (above the cluster layer) is imported by the scheduler, not by the backend.
     """
-    import dask
+    if configured is None:
+        import dask
 
-    configured = dask.config.get("distributed.scheduler.preload") or []
-    if isinstance(configured, str):
-        configured = [configured]
+        configured = dask.config.get("distributed.scheduler.preload", None) or []
+    configured = [configured] if isinstance(configured, str) else list(configured)
     extra = [] if DASHBOARD_PRELOAD in configured else [DASHBOARD_PRELOAD]
     return [*configured, *extra]

@@ -50,7 +50,7 @@ import dask
 from .. import config
 from ..errors import ClusterConnectionError
 from .address import listen_host
-from .base import DASHBOARD_PRELOAD, Backend, ClusterHandle, connect
+from .base import Backend, ClusterHandle, connect, scheduler_preloads
 
 __all__ = [
     "JobQueueBackend",
@@ -436,10 +436,7 @@ def make_cluster(name: str, **kwargs: Any) -> Any:
         # The scheduler runs in this process: it shows the pools on its
         # dashboard and to `fiber-dask info` (fiber_dask.dashboard).
         options = dict(setting(name, "scheduler-options") or {})
-        preload = options.get("preload") or []
-        preload = [preload] if isinstance(preload, str) else list(preload)
-        if DASHBOARD_PRELOAD not in preload:
-            preload.append(DASHBOARD_PRELOAD)
+        preload = scheduler_preloads(options.get("preload"))
         kwargs["scheduler_options"] = {**options, "preload": preload}
     try:
         return _cluster_class(name)(**kwargs)
