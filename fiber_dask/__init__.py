@@ -6,13 +6,6 @@ existing Dask scheduler, or an adaptive Kubernetes deployment.
 
 from __future__ import annotations
 
-# isort: off
-# First of all: in a Dask worker process of the embedded cluster, importing
-# fiber_dask.slots starts the pool-slot template before the rest of this
-# import (fiber_dask.slots.start_early).
-from . import slots as _slots  # noqa: F401
-
-# isort: on
 from multiprocessing import (
     AuthenticationError,
     BufferTooShort,
@@ -94,3 +87,10 @@ for _name in (
 del _name
 reducer = _ctx.reducer
 __all__.append("reducer")
+
+# Last of all: in a Dask worker process of the embedded cluster, fork the
+# pool-slot template now, with fiber_dask imported and the process still
+# single-threaded (fiber_dask.slots.start_early).
+from . import slots as _slots  # noqa: E402
+
+_slots.start_early()

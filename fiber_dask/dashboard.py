@@ -43,6 +43,8 @@ __all__ = [
     "summary",
     "PAGE",
     "JSON_PATH",
+    "defer",
+    "connect_later",
 ]
 
 logger = logging.getLogger("fiber_dask.dashboard")
@@ -143,6 +145,8 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
         r".*", [(prefix + JSON_PATH, PoolsJSON, {"store": plugin.store})]
     )
     if not dashboards:
+        if getattr(scheduler, _DEFERRED, False):
+            return  # the page comes with the dashboard (connect_later)
         logger.info(
             "fiber-dask: the scheduler shows no bokeh dashboard (bokeh missing or "
             "the dashboard disabled): /%s is not served, %s is",
@@ -150,6 +154,10 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
             prefix + JSON_PATH,
         )
         return
+    _install_page(scheduler, plugin, prefix)
+
+
+def _install_page(scheduler: Any, plugin: PoolDashboard, prefix: str) -> None:
     from distributed.dashboard.core import BokehApplication
     from distributed.dashboard.scheduler import template_variables
     from tornado.ioloop import IOLoop
@@ -161,7 +169,7 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
         prefix=prefix,
         template_variables=variables,
     )
-    application.add_application(app)
+    scheduler.http_application.add_application(app)
     app.initialize(IOLoop.current())
     app.start()
     plugin.store.page = prefix + PAGE
@@ -173,6 +181,77 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
             plots.append({"url": PAGE, "name": "Fiber Pools"})
     except (KeyError, TypeError, AttributeError):  # pragma: no cover
         pass
+
+
+# ------------------------------------------------------- the deferred dashboard
+
+#: Set on a scheduler whose bokeh dashboard :func:`connect_later` will build.
+_DEFERRED = "_fiber_dask_dashboard_deferred"
+
+#: Seconds from the embedded cluster being up to building its dashboard.
+DASHBOARD_DELAY = 1.0
+
+
+def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``scheduler_kwargs`` for a scheduler whose bokeh dashboard
+    :func:`connect_later` builds once the cluster is up.
+
+    Building distributed's dashboard (importing bokeh, and constructing the
+    bokeh-tornado application: several hundred route regexes) costs the
+    scheduler 0.5-1.1 s of CPU in ``Scheduler.__init__``, before a single
+    worker process is started: the longest single step of the embedded
+    cluster's start on 2 cores (benchmarks/slotstart.py).  Its HTTP server
+    still starts at once (the dashboard's address is bound and shown, and
+    ``/fiber/pools.json``, ``/health`` and ``/metrics`` are served); only the
+    bokeh pages come :data:`DASHBOARD_DELAY` s after the cluster is up.
+    """
+    try:
+        import distributed.dashboard.core  # noqa: F401  (bokeh importable?)
+    except ImportError:
+        return scheduler_kwargs  # the scheduler says the dashboard is missing
+    return {**scheduler_kwargs, "dashboard": False}
+
+
+def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
+    """Build ``scheduler``'s bokeh dashboard (distributed's pages and the
+    pools page) ``delay`` s from now: bokeh is imported in a thread, and only
+    the application's hand-over runs on the scheduler's event loop.
+
+    ``scheduler`` is one started with :func:`defer`'s arguments, in this
+    process (the embedded cluster's).
+    """
+    import threading
+
+    setattr(scheduler, _DEFERRED, True)
+
+    def build() -> None:
+        try:
+            import distributed.dashboard.scheduler  # noqa: F401
+        except ImportError:  # pragma: no cover - checked by defer()
+            return
+        try:
+            scheduler.loop.add_callback(attach)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def attach() -> None:
+        if scheduler.status.name not in ("running", "paused"):
+            return  # closing (or closed) meanwhile
+        from distributed.dashboard.scheduler import connect
+
+        try:
+            connect(scheduler.http_application, scheduler.http_server, scheduler)
+            plugin = scheduler.plugins.get(PoolDashboard.name)
+            if isinstance(plugin, PoolDashboard):
+                _install_page(scheduler, plugin, "/")
+        except Exception:  # noqa: BLE001 - the cluster runs on without it
+            logger.warning("fiber-dask: the dashboard did not start", exc_info=True)
+
+    def later() -> None:
+        threading.Thread(target=build, name="fiber-dashboard", daemon=True).start()
+
+    # call_later is the loop's own business; add_callback is thread-safe.
+    scheduler.loop.add_callback(lambda: scheduler.loop.call_later(delay, later))
 
 
 # ------------------------------------------------------------------- the page

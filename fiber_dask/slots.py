@@ -37,9 +37,12 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
   once per Dask worker: on the embedded cluster as the worker process imports
   the user's main module, if that imports fiber_dask (:func:`early_templates`,
-  :func:`start_early`: 1-2 s before the worker has imported distributed),
+  :func:`start_early`: 1-2 s before the worker has imported distributed), by
+  forking the worker itself, which is then still single-threaded and has
+  fiber_dask and dask imported (a fresh template interpreter re-imported them:
+  ~0.3 s of CPU per worker during the cluster's start, on the same cores);
   else at its ``dask_setup`` preload below; elsewhere by the first keeper on
-  that worker.  What a fork does before connecting was measured too: a full
+  that worker, both as a fresh interpreter.  What a fork does before connecting was measured too: a full
   ``dask.config.refresh()`` (20 ms), numpy 2's lazy ``numpy.random`` import
   (8 ms) and the idna codec's import in the first ``getaddrinfo`` (5-10 ms)
   were moved out of it.
@@ -201,16 +204,39 @@ class _Fork:
 
 
 class Template:
-    """This process's handle on its template process (one per Dask worker)."""
+    """This process's handle on its template process (one per Dask worker).
 
-    def __init__(self) -> None:
+    ``fork_here``: fork the template from this process, now, if it is
+    single-threaded (:func:`start_early`); else, and by default, start it as a
+    fresh interpreter (``python -m fiber_dask.slotserver``).
+    """
+
+    def __init__(self, fork_here: bool = False) -> None:
         self.lock = threading.Lock()
         self.forks: dict[int, _Fork] = {}
         self.next_id = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | _ForkedTemplate | None = None
         self.dead = False
         self.error: BaseException | None = None
         self.ready = threading.Event()
+        self.forked = False
+        if fork_here and _single_threaded():
+            # The thread that forks is this process's main thread (start_early
+            # runs as the main module is imported): the template's
+            # PR_SET_PDEATHSIG then fires only when the process ends.
+            try:
+                report_r = self._fork()
+            except OSError as e:
+                raise OSError(f"cannot fork the fiber-dask slot template: {e}") from e
+            self.forked = True
+            self.thread = threading.Thread(
+                target=self._read_reports,
+                args=(report_r,),
+                name="fiber-slot-template",
+                daemon=True,
+            )
+            self.thread.start()
+            return
         # The thread that starts the template must outlive it: the template's
         # PR_SET_PDEATHSIG fires when this *thread* exits.  It then reads the
         # template's reports until the template is gone.
@@ -221,6 +247,34 @@ class Template:
         self.ready.wait()
         if self.error is not None:
             raise self.error
+
+    def _fork(self) -> int:
+        """Fork the template from this single-threaded process; the read end
+        of its report pipe."""
+        request_r, request_w = os.pipe()
+        report_r, report_w = os.pipe()
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (request_r, request_w, report_r, report_w):
+                os.close(fd)
+            raise
+        if pid == 0:  # the template
+            code = 1
+            try:
+                code = _forked_template(parent, request_r, report_w)
+            except BaseException:  # noqa: BLE001 - report it, then end
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)  # never back into the worker's start
+        os.close(request_r)
+        os.close(report_w)
+        self.proc = _ForkedTemplate(pid, request_w)
+        self.ready.set()
+        return report_r
 
     def _run(self) -> None:
         report_r = -1
@@ -252,6 +306,9 @@ class Template:
             self.ready.set()
             return
         self.ready.set()
+        self._read_reports(report_r)
+
+    def _read_reports(self, report_r: int) -> None:
         reader = FrameReader(report_r)
         try:
             while True:
@@ -319,16 +376,70 @@ class Template:
             pass
 
 
+class _ForkedTemplate:
+    """A template forked by :meth:`Template._fork`: what the keeper uses of a
+    :class:`subprocess.Popen` (``stdin``, ``pid``, ``wait``)."""
+
+    def __init__(self, pid: int, request_w: int) -> None:
+        self.pid = pid
+        self.stdin = os.fdopen(request_w, "wb", buffering=0)
+
+    def wait(self) -> int:
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            return -1
+        return os.waitstatus_to_exitcode(status)
+
+
+def _single_threaded() -> bool:
+    """Whether this process has one OS thread (native ones counted): only then
+    is a fork safe.  False where that cannot be told (no ``/proc``)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _forked_template(parent: int, request_fd: int, report_fd: int) -> int:
+    """In the child of :meth:`Template._fork`: become the template process.
+
+    It keeps only its two pipes and the standard streams (as the fresh
+    interpreter's ``close_fds`` does: an inherited descriptor, such as the
+    spawn pipe whose end tells a Nanny its worker exited, must not outlive the
+    worker), and drops the worker's half-imported main module: slot processes
+    get their functions by value or import them, as from a fresh template.
+    """
+    keep_fds = {0, 1, 2, request_fd, report_fd}
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = []
+    for fd in fds:
+        if fd not in keep_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    sys.modules.pop("__mp_main__", None)
+    global _template_lock
+    _template_lock = threading.Lock()  # held by the forking get_template()
+    from . import slotserver
+
+    return slotserver.serve(request_fd, report_fd, parent)
+
+
 _template: Template | None = None
 _template_lock = threading.Lock()
 
 
-def get_template() -> Template:
-    """This process's template, started on first use."""
+def get_template(fork_here: bool = False) -> Template:
+    """This process's template, started on first use (``fork_here``: see
+    :class:`Template`)."""
     global _template
     with _template_lock:
         if _template is None or _template.dead:
-            _template = Template()
+            _template = Template(fork_here)
         return _template
 
 
@@ -344,15 +455,18 @@ _NANNY_WORKER_NAME = "Dask Worker process (from Nanny)"
 @contextlib.contextmanager
 def early_templates() -> Iterator[None]:
     """Around the start of the embedded cluster: its Dask worker processes,
-    spawned meanwhile, start their slot template as soon as they import
-    fiber_dask (:func:`start_early`), instead of at their ``dask_setup``.
+    spawned meanwhile, fork their slot template as soon as they have imported
+    fiber_dask (:func:`start_early`), instead of starting a fresh interpreter
+    for it at their ``dask_setup``.
 
     A spawned worker imports the user's main module (which imports fiber_dask)
-    ~1-2 s before it has imported distributed and runs its preloads; the
-    template's interpreter and imports (~0.5 s of CPU) then overlap the
-    worker's own start instead of following it, and the first ``Pool()``
-    result no longer waits for them.  Only the processes spawned inside this
-    block see the variable, and each worker removes it from its environment.
+    ~1-2 s before it has imported distributed and runs its preloads, while it
+    is still single-threaded; a fork then is safe, and the template has
+    fiber_dask (and dask, and whatever the main module imported before it)
+    without importing them again: a fresh template interpreter cost ~0.3 s of
+    CPU per worker, taken from the cluster's own start on the same cores.
+    Only the processes spawned inside this block see the variable, and each
+    worker removes it from its environment.
     """
     old = os.environ.get(EARLY_ENV)
     os.environ[EARLY_ENV] = "1"
@@ -370,10 +484,11 @@ started_early = False
 
 
 def start_early() -> None:
-    """Called as this module is imported (first thing in fiber_dask's
-    ``__init__``): in a Dask worker process spawned by
-    :func:`early_templates`'s cluster, start the slot template now (in a thread
-    of its own, returning once the template process is forked, ~10 ms).
+    """Called as the last thing of fiber_dask's ``__init__``: in a Dask worker
+    process spawned by :func:`early_templates`'s cluster, start the slot
+    template now, forked from this process while it is single-threaded
+    (:class:`Template` ``fork_here``; a fresh interpreter if it is not, say
+    because the main module started a thread before importing fiber_dask).
 
     Only where the main module imports fiber_dask at its top level, as
     ``import fiber_dask as multiprocessing`` does; elsewhere
@@ -390,7 +505,7 @@ def start_early() -> None:
         return
     global started_early
     try:
-        get_template()
+        get_template(fork_here=True)
         started_early = True
     except OSError:
         logger.debug("fiber-dask: cannot start the slot template", exc_info=True)
@@ -497,6 +612,3 @@ def _describe(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-start_early()  # a no-op but in a worker process spawned by early_templates()

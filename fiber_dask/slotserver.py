@@ -1,7 +1,8 @@
 """The slot template process: ``python -m fiber_dask.slotserver REPORT_FD``.
 
-Started by :class:`fiber_dask.slots.Template` in a Dask worker (the why, the
-picture and the pipe protocol are in :mod:`fiber_dask.slots`).  It preloads
+Started by :class:`fiber_dask.slots.Template` in a Dask worker, as a fresh
+interpreter or forked from the worker while it is still single-threaded (the
+why, the picture and the pipe protocol are in :mod:`fiber_dask.slots`).  It preloads
 what every slot process needs (cloudpickle, fiber_dask's pool-worker code,
 numpy if it is installed), then, single-threaded, starts one slot process per
 ``("fork", id, spec)`` read from stdin (handing the spec to the spare it keeps
@@ -222,13 +223,21 @@ class _Server:
 
 
 def main() -> int:
+    """``python -m fiber_dask.slotserver REPORT_FD``: requests on stdin."""
     expected = os.environ.pop("FIBER_DASK_LAUNCHER_PID", None)
-    _die_with_parent(int(expected) if expected else None)
+    return serve(os.dup(0), int(sys.argv[1]), int(expected) if expected else None)
+
+
+def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
+    """Be the template: requests on ``request_fd``, reports on ``report_fd``.
+
+    Run by :func:`main` in a fresh interpreter, or in a child forked from the
+    single-threaded Dask worker process (:func:`fiber_dask.slots.start_early`).
+    """
+    _die_with_parent(expected_ppid)
     # Ctrl-C in a terminal reaches the whole process group: it is for the
     # tasks (which get the default handler back), not for the template.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    report_fd = int(sys.argv[1])
-    request_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

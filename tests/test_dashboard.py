@@ -147,12 +147,41 @@ def test_embedded_cluster_reports_a_map_with_a_failing_item(fiber_ctx):
             60,
             "both slots to report their worker and pid",
         )
-        document = get_json(base + "/fiber/pools.json")
-        assert document["page"] == "/fiber-pools"
+        # The page comes with the bokeh dashboard, which the embedded cluster
+        # builds once it is up (fiber_dask.dashboard.connect_later).
+        wait_until(
+            lambda: get_json(base + "/fiber/pools.json")["page"] == "/fiber-pools",
+            60,
+            "the pools page to be served",
+        )
     # Closed: the owner removes it (no waiting for it to go stale).
     wait_until(
         lambda: report(base, pool) is None, poolstats.STALE_AFTER - 2, "the removal"
     )
+
+
+def test_embedded_cluster_builds_its_bokeh_dashboard_after_it_is_up(fiber_ctx):
+    # Not in Scheduler.__init__, before the workers start (0.5-1 s of CPU on
+    # the start's critical path): the HTTP server is there from the start,
+    # the bokeh pages (distributed's and the pools page) follow.
+    from fiber_dask.cluster import current_handle
+
+    client = fiber_dask.get_client()
+    scheduler = current_handle().cluster.scheduler
+    assert getattr(scheduler, dashboard._DEFERRED) is True
+    base = http_base(client)
+    assert get_json(base + "/fiber/pools.json")["version"] == 1
+
+    def served(path):
+        try:
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_until(lambda: served("/status"), 60, "distributed's /status page")
+    wait_until(lambda: served("/fiber-pools"), 60, "the pools page")
+    assert dashboard._bokeh_apps(scheduler)
 
 
 def test_queued_in_flight_and_busy_while_items_wait(client, tmp_path):

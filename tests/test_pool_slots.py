@@ -590,46 +590,92 @@ EARLY_SCRIPT = textwrap.dedent(
     """
     import json
     import os
+    import sys
+    import threading
+
+    if sys.argv[1] == "thread-first":
+        # A thread before fiber_dask's import: no fork is safe any more.
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
     import fiber_dask  # at the top, as `import fiber_dask as multiprocessing`
     from fiber_dask import slots
 
     def probe(_=None):
         return os.environ.get(slots.EARLY_ENV)
 
+    def pipes(pid):
+        found = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if int(fd) <= 2:
+                continue  # stdio: this test's capture pipes, in every process
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("pipe:"):
+                found.add(target)
+        return found
+
+    def template_facts():
+        t = slots._template
+        pid = t.proc.pid
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        shared = pipes(pid) & pipes(os.getpid())
+        return {
+            "early": slots.started_early,
+            "forked": t.forked,
+            "parent_is_worker": ppid == os.getpid(),
+            "pipes_shared_with_worker": len(shared),
+        }
+
     if __name__ == "__main__":
         import dask
 
         dask.config.set({"fiber.local.n-workers": 1})
         client = fiber_dask.get_client()
-        early = client.run(lambda: slots.started_early)
         with fiber_dask.Pool(1) as pool:
             env = pool.apply(probe)
-        print(json.dumps([list(early.values()), env, os.environ.get(slots.EARLY_ENV)]))
+            facts = list(client.run(template_facts).values())
+        print(json.dumps([facts, env, os.environ.get(slots.EARLY_ENV)]))
         fiber_dask.shutdown()
     """
 )
 
 
+@pytest.mark.parametrize("order", ["fiber-dask-first", "thread-first"])
 def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
-    tmp_path,
+    tmp_path, order
 ):
     script = tmp_path / "early.py"
     script.write_text(EARLY_SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     out = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), order],
         env=env,
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert out.returncode == 0, out.stderr
-    early, env_in_slot, env_in_driver = json.loads(out.stdout.splitlines()[-1])
+    facts, env_in_slot, env_in_driver = json.loads(out.stdout.splitlines()[-1])
     # The worker started its template from start_early(), not dask_setup; the
     # variable that told it to neither reached the slot process nor stayed in
     # the driver.
-    assert early == [True], out.stdout
+    [fact] = facts
+    assert fact["early"] is True, out.stdout
+    assert fact["parent_is_worker"] is True, out.stdout
     assert (env_in_slot, env_in_driver) == (None, None), out.stdout
+    if order == "fiber-dask-first":
+        # Forked from the still single-threaded worker, keeping of the worker's
+        # descriptors only its request and report pipes (an inherited spawn
+        # or resource-tracker pipe would be shared too).
+        assert fact["forked"] is True, out.stdout
+        assert fact["pipes_shared_with_worker"] == 2, out.stdout
+    else:
+        # A thread was running: a fresh interpreter instead of a fork.
+        assert fact["forked"] is False, out.stdout
+        assert fact["pipes_shared_with_worker"] == 2, out.stdout
 
 
 def test_the_embedded_cluster_ticks_every_200_ms(fiber_ctx):

@@ -54,9 +54,14 @@ class LocalBackend(Backend):
 
             early = early_templates()
         # The scheduler reports the pools on its dashboard (fiber_dask.dashboard).
+        from .. import dashboard
         from .base import scheduler_preloads
 
+        show_dashboard = config.get("local.dashboard-address") is not None
         extra["scheduler_kwargs"] = {"preload": scheduler_preloads()}
+        if show_dashboard:
+            # Built once the cluster is up, not before its workers start.
+            extra["scheduler_kwargs"] = dashboard.defer(extra["scheduler_kwargs"])
         with early, dask.config.set(tick):  # tick: the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,
@@ -78,6 +83,8 @@ class LocalBackend(Backend):
                     wait_count=config.get("adaptive.wait-count"),
                 )
             client = Client(cluster, set_as_default=False)
+            if extra["scheduler_kwargs"].get("dashboard") is False:
+                dashboard.connect_later(cluster.scheduler)
         except BaseException:
             cluster.close()
             raise
