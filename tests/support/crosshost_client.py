@@ -492,6 +492,7 @@ def scenario_kill(params: dict) -> dict:
     out["taken_before_kill"] = taken
 
     pool = mp.Pool(params["slots"])
+    wait_for_slot_on(pool, doomed_ip)
     it = pool.imap(slow_square, range(n))
     results = []
     killed_at = None
@@ -575,6 +576,26 @@ def scenario_kill(params: dict) -> dict:
     return out
 
 
+def wait_for_slot_on(pool, ip: str, timeout: float = 60.0) -> None:
+    """Until one of the pool's slots runs on the host at ``ip`` (on a loaded
+    machine its slots can come up after the others have done a whole map)."""
+
+    def host(slot):
+        where = slot.worker or ""
+        return where.rpartition("//")[2].rpartition(":")[0]
+
+    deadline = time.monotonic() + timeout
+    while not any(host(s) == ip for s in pool._pool):
+        if time.monotonic() > deadline:
+            check(
+                False,
+                "no pool slot came up on the host",
+                ip=ip,
+                slots=[s.worker for s in pool._pool],
+            )
+        time.sleep(0.05)
+
+
 def _map_across(pool, n, host_of_interest, ask, stdin, ordered=True):
     """imap (or imap_unordered) ``n`` slow squares; once the host of interest
     has run some, emit ``ask`` and take the clock the test sends back.
@@ -630,6 +651,7 @@ def scenario_partition(params: dict) -> dict:
     _, pid, where, mine = parent_end.recv()
     check(where == cut_ip and pid == p.pid, "the process is not on the host")
     pool = mp.Pool(params["slots"])
+    wait_for_slot_on(pool, cut_ip)
 
     # 1. A short cut, shorter than the timeout: everything rides it out.
     out["short"], cut_at = _map_across(pool, 150, cut_ip, "cut-short", stdin)
