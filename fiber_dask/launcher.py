@@ -14,6 +14,8 @@ connects back to the parent over the authenticated channel, starts the child
       ── ("out"|"err", bytes) ──────► ◄── pumps ───────── runs
       ◄── ("signal", signum) ──────── os.kill(child)       BaseProcess._bootstrap
       ── ("exit", returncode) ──────► child.wait()
+      connection drops ─── PARENT_LOST on stdin ─────────► parent_process() dead;
+                           kill after ORPHAN_GRACE s        it may end by itself
 
 It returns a :class:`LaunchResult` saying how it ended; the parent reads it
 only when no launcher ever connected (to say why in ``Process.reason``).  The
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import channel
+from .processchild import PARENT_LOST
 
 __all__ = [
     "LaunchResult",
@@ -46,6 +49,9 @@ __all__ = [
 ]
 
 _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
+# Seconds a child whose parent died gets to notice (its parent_process() is
+# dead at once) and end by itself before the launcher kills it.
+ORPHAN_GRACE = 5.0
 
 
 class Outcome(enum.Enum):
@@ -202,6 +208,24 @@ def _resource_tracker_fd() -> int | None:
         return None
 
 
+def _orphaned(child: subprocess.Popen, reaped: threading.Event) -> None:
+    """The parent's connection dropped (the process that called ``start()``
+    died, or its host became unreachable): tell the child, whose
+    ``parent_process()`` turns dead at once, and kill it if it has not ended
+    within :data:`ORPHAN_GRACE` seconds (the parent is gone: so is its
+    child; the stdlib would leave it running as an orphan)."""
+    try:
+        child.stdin.write(PARENT_LOST)
+        child.stdin.flush()
+    except (OSError, ValueError):
+        pass  # it died already
+    if not reaped.wait(ORPHAN_GRACE):
+        try:
+            child.kill()
+        except OSError:
+            pass
+
+
 def _launch(
     conn: Any, payload: bytes, worker_address, scheduler_address, security=None
 ) -> LaunchResult:
@@ -242,6 +266,7 @@ def _launch(
     del payload
 
     state = {"exited": False, "parent_lost": False}
+    reaped = threading.Event()  # child.wait() returned
 
     def pump(stream: Any, kind: str) -> None:
         fd = stream.fileno()
@@ -261,10 +286,7 @@ def _launch(
             except (EOFError, OSError, pickle.UnpicklingError, ValueError):
                 if not state["exited"]:
                     state["parent_lost"] = True
-                    try:
-                        child.kill()  # the parent is gone: so is its child
-                    except OSError:
-                        pass
+                    _orphaned(child, reaped)
                 return
             if kind == "signal":
                 try:
@@ -280,6 +302,7 @@ def _launch(
         t.start()
     threading.Thread(target=control, name="fiber-process-control", daemon=True).start()
     returncode = child.wait()
+    reaped.set()
     for t in pumps:  # a grandchild may hold the pipes open: do not wait forever
         t.join(_PIPE_DRAIN)
     state["exited"] = True

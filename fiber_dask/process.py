@@ -25,8 +25,11 @@ How a Process runs::
   launcher, so a Process is never started twice.
 * The child dies with its launcher: it watches its stdin (EOF = the launcher's
   worker process is gone) and asks the kernel for ``SIGKILL`` on its parent's
-  death (``PR_SET_PDEATHSIG``).  The launcher kills the child when the parent's
-  connection drops, and the parent terminates its daemonic children at exit.
+  death (``PR_SET_PDEATHSIG``).  When the parent's connection drops (the
+  parent died, on whatever host), the launcher tells the child, whose
+  ``parent_process()`` turns dead (its sentinel ready) at once, and kills it
+  ``launcher.ORPHAN_GRACE`` s later if it has not ended; the parent terminates
+  its daemonic children at exit.
 * A launcher that vanishes before reporting an exit code (its worker was
   killed, its host lost) ends the Process with ``exitcode == -SIGKILL`` and a
   human-readable :attr:`Process.reason`.

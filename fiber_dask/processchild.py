@@ -3,10 +3,14 @@
 Started by the launcher (``fiber_dask.launcher.run_launcher``) inside a Dask
 worker.  Protocol on stdin: an 8-byte big-endian length, then a pickled
 ``(authkey, blob)`` whose blob is the cloudpickled ``(Process subclass, state)``
-(a bare ``(Process subclass, state)`` is accepted too); after that stdin stays open and carries nothing.
-Its EOF means the launcher's worker process is gone, and the child kills
-itself so that no orphan outlives its worker.  The payload carries the authkey,
-which is why it never appears on the command line.
+(a bare ``(Process subclass, state)`` is accepted too); after that stdin stays
+open and carries at most one byte, :data:`PARENT_LOST`: the launcher's
+connection to the process that called ``start()`` dropped (that process died,
+wherever it ran), so ``parent_process()`` turns dead here, as the stdlib's does
+when its parent's end of the sentinel pipe closes.  Its EOF means the
+launcher's worker process is gone, and the child kills itself so that no
+orphan outlives its worker.  The payload carries the authkey, which is why it
+never appears on the command line.
 
 Exit status, stdout and stderr are the stdlib's: the object's own
 ``BaseProcess._bootstrap`` runs ``run()`` (0 on return, 1 and a traceback on
@@ -22,6 +26,9 @@ import sys
 import threading
 
 _PR_SET_PDEATHSIG = 1
+
+# Sent by the launcher on the child's stdin when the parent's connection drops.
+PARENT_LOST = b"P"
 
 
 def _die_with_parent() -> None:
@@ -57,16 +64,28 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def _watchdog(fd: int, sentinel_w: int) -> None:
-    """Block on stdin; EOF (or an error) means the launcher died: die too."""
+    """Block on stdin: :data:`PARENT_LOST` means the process that started us
+    is gone; EOF (or an error) means the launcher died: die too.
+
+    Either closes ``sentinel_w``, the write end of ``parent_process().sentinel``
+    (this thread is its only closer, so it is closed exactly once).
+    """
+    sentinel_open = True
     try:
-        while os.read(fd, 4096):
+        while True:
+            data = os.read(fd, 4096)
+            if not data:
+                break
+            if PARENT_LOST in data and sentinel_open:
+                sentinel_open = False
+                os.close(sentinel_w)  # parent_process().is_alive() turns False
+    except OSError:
+        pass
+    if sentinel_open:
+        try:
+            os.close(sentinel_w)
+        except OSError:
             pass
-    except OSError:
-        pass
-    try:
-        os.close(sentinel_w)  # parent_process().is_alive() turns False
-    except OSError:
-        pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 
