@@ -315,6 +315,7 @@ class IMapIterator(_Job):
         self._next_index = 0  # next chunk to hand to the caller (ordered)
         self._consumed = 0
         self._received_count = 0
+        self._held = False  # back-pressure stopped the input (under _cond)
         self._length: int | None = None
         self._input_error: tuple[int, BaseException] | None = None
 
@@ -324,11 +325,15 @@ class IMapIterator(_Job):
     def _next_chunk(self):
         if self._exhausted:
             return None
-        if (
-            not self._engine.draining
-            and self._chunk_index - self._consumed >= self._max_in_flight
-        ):
-            return None  # back-pressure: the caller has not caught up
+        if not self._engine.draining:
+            with self._cond:
+                if self._chunk_index - self._consumed >= self._max_in_flight:
+                    # Back-pressure: the caller has not caught up.  It lets
+                    # the input go on once it has taken half of what is out
+                    # (_take_chunk), so the pool refills the loops with
+                    # several chunks at a time, not one per chunk taken.
+                    self._held = True
+                    return None
         i = self._chunk_index
         try:
             chunk = list(itertools.islice(self._source, self._chunksize))
@@ -410,8 +415,15 @@ class IMapIterator(_Job):
                         raise StopIteration
                 if not self._cond.wait(timeout):
                     raise TimeoutError
-        self._consumed += 1
-        self._engine.job_consumed()
+            self._consumed += 1
+            resume = (
+                self._held
+                and self._chunk_index - self._consumed <= self._max_in_flight // 2
+            )
+            if resume:
+                self._held = False
+        if resume:
+            self._engine.job_consumed()
         return got
 
     def next(self, timeout: float | None = None) -> Any:
