@@ -272,7 +272,7 @@ class PoolEngine:
         #: Worker losses with no chunk finishing in between, beyond which the
         #: running jobs fail: workers die under the pool faster than it works.
         self._loss_limit = max(10, 2 * (self._allowed_failures + 1) * processes)
-        self.max_in_flight = config.get("pool.max-in-flight") or max(16, 4 * processes)
+        self.max_in_flight = config.get("pool.max-in-flight") or max(64, 4 * processes)
         self.default_chunksize = config.get("pool.chunksize")
         #: Set by join(): imap back-pressure is lifted, join waits for all work.
         self.draining = False

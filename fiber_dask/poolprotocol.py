@@ -25,7 +25,8 @@ thread, whose largest cost was a socket send per chunk): the owner puts every
 chunk it hands one loop in one dispatch pass into one ``Calls``, and the loop
 answers a ``Calls`` with ``Results`` that each cover a run of its chunks: it
 answers what it has finished once :data:`FLUSH_SECONDS` have passed since
-the first unanswered one finished, and at the end of the ``Calls``.  A
+the first unanswered one finished or :data:`FLUSH_CHUNKS` are waiting, and
+at the end of the ``Calls``.  A
 ``Results`` never spans two ``Calls``.  So when a loop's connection drops,
 the chunks of the oldest ``Calls`` not answered yet are the ones that may
 have run (one of them was running); those of later ``Calls`` never started.
@@ -68,6 +69,7 @@ __all__ = [
     "Results",
     "InitFailed",
     "FLUSH_SECONDS",
+    "FLUSH_CHUNKS",
     "lost_chunks",
     "dumps_items",
     "STOP",
@@ -91,6 +93,10 @@ FUNC_CACHE_SIZE = 512
 #: Short next to any task worth a pool (the owner hears of a result at most
 #: this late), long next to the per-chunk cost of a message (~10-50 us).
 FLUSH_SECONDS = 0.002
+#: Results a loop answers together at most: a loop holds more chunks than
+#: this (``fiber.pool.prefetch``), so the owner refills it while it works on
+#: the rest, and no loop waits for the round trip of its own answer.
+FLUSH_CHUNKS = 16
 
 STOP = b"S"
 TERMINATE = b"K"

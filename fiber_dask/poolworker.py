@@ -136,6 +136,39 @@ class _Loop:
             with self.exec_lock:
                 self.executing = False
 
+    def call_items(self, func: Any, mode: int, items: list, retries: int) -> list:
+        """``func`` on each item of a chunk, stopping at the first that
+        raises (after ``retries`` more tries of it).  Marked executing once
+        for the whole chunk: per item, the two lock round trips cost more
+        than a trivial task (7 us against 0.3 us an item)."""
+        with self.exec_lock:
+            self.executing = True
+        try:
+            if not retries:
+                if mode == 0:
+                    return [func(item) for item in items]
+                if mode == 1:
+                    return [func(*item) for item in items]
+                return [func(*item[0], **item[1]) for item in items]
+            results = []
+            for item in items:
+                for attempt in range(retries + 1):
+                    try:
+                        if mode == 0:
+                            results.append(func(item))
+                        elif mode == 1:
+                            results.append(func(*item))
+                        else:
+                            results.append(func(*item[0], **item[1]))
+                        break
+                    except Exception:
+                        if attempt == retries:
+                            raise
+            return results
+        finally:
+            with self.exec_lock:
+                self.executing = False
+
 
 #: Handshakes with the owner one process runs at once.  Thread slots put
 #: a hundred loops in one worker process; dialling all at once only makes
@@ -296,12 +329,13 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
     A chunk's result waits to be sent with the next ones only while the
     chunks are short: it goes at once after a chunk that ran
     ``FLUSH_SECONDS`` or more, once ``FLUSH_SECONDS`` have passed since the
-    oldest result waiting finished, and at the end of each ``Calls`` (never
+    oldest result waiting finished or ``FLUSH_CHUNKS`` wait, and at the end
+    of each ``Calls`` (never
     in the same ``Results`` as a later ``Calls``' chunks: the owner's rule for
     a lost loop, ``poolprotocol.lost_chunks``, depends on it).
     """
     completed = 0
-    flush_after = proto.FLUSH_SECONDS
+    flush_after, flush_chunks = proto.FLUSH_SECONDS, proto.FLUSH_CHUNKS
     clock = time.perf_counter
     while True:
         raw = loop.inbox.get()
@@ -328,6 +362,7 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
                 or i == len(calls) - 1
                 or secs >= flush_after
                 or now - oldest >= flush_after
+                or len(answers) >= flush_chunks
             ):
                 loop.send(proto.Results(answers))
                 answers = []
@@ -348,16 +383,7 @@ def _run_chunk(loop: _Loop, call: proto.Call) -> tuple[bool, Any, float]:
         func = loop.funcs.lookup(call)
         items = pickle.loads(call.payload)
         start = time.perf_counter()
-        results = []
-        retries = call.retries
-        for item in items:
-            for attempt in range(retries + 1):
-                try:
-                    results.append(loop.call(func, call.mode, item))
-                    break
-                except Exception:
-                    if attempt == retries:
-                        raise
+        results = loop.call_items(func, call.mode, items, call.retries)
         return True, results, time.perf_counter() - start
     except _Terminated:
         raise
