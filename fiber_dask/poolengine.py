@@ -288,6 +288,7 @@ class PoolEngine:
         self._load_index: dict[int, dict] = {}
         self._ckeys = itertools.count()
         self._calls_numbers = itertools.count()  # numbers Calls messages
+        self._calls_sent = 0  # Calls messages sent (chunks go several to one)
         self._fids: collections.OrderedDict = collections.OrderedDict()
         self._fid_counter = itertools.count()
         self._loops: dict[int, Any] = {}  # loop number -> its Dask future
@@ -586,6 +587,7 @@ class PoolEngine:
     def _send_calls(self, peer: _Peer, batch: list) -> None:
         """Send one ``Calls`` (``batch``: its ``(Call, chunk)`` pairs)."""
         number = next(self._calls_numbers)
+        self._calls_sent += 1
         for _, chunk in batch:
             chunk.calls = number
         msg = proto.encode(proto.Calls([call for call, _ in batch]))
