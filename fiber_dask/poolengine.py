@@ -13,13 +13,25 @@ Its public surface: :meth:`start`, :meth:`submit`, :meth:`close`,
 ``broken``, and for jobs :meth:`job_finished`, :meth:`job_consumed` and
 ``draining``.
 
-Worker loss: a loop serves its chunks in the order they were sent, so when its
-connection drops the oldest chunk it held was the one running; the others
-never started and go back as they were.  The running chunk, if it had several
-items, is re-run item by item without counting a failure (we cannot tell
-which item was running); a single item that was running counts one.  So only
-an item that was running each time accrues failures, as Dask counts per task,
-and it fails with :class:`~fiber_dask.errors.WorkerLostError` after
+Dispatch in batches (issue 15): one pass of :meth:`PoolEngine._dispatch`
+takes the lock once and sends each loop the chunks it picked for it in one
+``Calls`` message; the result thread reads every frame a loop sent with one
+read, takes the answered chunks off under the lock once per turn, refills the
+loops in one pass, and only then loads and settles the results.  Under load
+the batches grow by themselves: the more answers wait at a turn, the more
+chunks the refill carries per message.
+
+Worker loss: a loop runs its chunks in the order they were sent and answers
+a ``Calls`` before it starts the next, so when its connection drops the
+unanswered chunks of the oldest ``Calls`` it held are the ones that may have
+run (:func:`fiber_dask.poolprotocol.lost_chunks`); the others never started
+and go back as they were.  If only one may have run, it was running: if it
+had several items it is re-run item by item without counting a failure (we
+cannot tell which item was running); a single item counts one.  If several
+may have run, each is re-run in a ``Calls`` of its own, without counting, so
+the next loss names it.  So only an item that was running each time accrues
+failures, as Dask counts per task, and it fails with
+:class:`~fiber_dask.errors.WorkerLostError` after
 ``fiber.pool.allowed-failures``.  Workers that die while no chunk finishes in
 between (an out-of-memory storm) fail the running jobs after a bound instead
 of looping forever.
