@@ -24,8 +24,9 @@ chunks the refill carries per message.
 Worker loss: a loop runs its chunks in the order they were sent and answers
 a ``Calls`` before it starts the next, so when its connection drops the
 unanswered chunks of the oldest ``Calls`` it held are the ones that may have
-run (:func:`fiber_dask.poolprotocol.lost_chunks`); the others never started
-and go back as they were.  If only one may have run, it was running: if it
+run (:func:`fiber_dask.poolprotocol.lost_chunks`; only the first, when it
+came first in its ``Calls``, which a loop answers on its own); the others
+never started and go back as they were.  If only one may have run, it was running: if it
 had several items it is re-run item by item without counting a failure (we
 cannot tell which item was running); a single item counts one.  If several
 may have run, each is re-run in a ``Calls`` of its own, without counting, so
@@ -97,6 +98,7 @@ class _Chunk:
         "split",
         "offset",
         "calls",
+        "first",
         "alone",
     )
 
@@ -107,6 +109,7 @@ class _Chunk:
         self.split, self.offset = split, offset
         #: The number of the ``Calls`` message it was last sent in.
         self.calls = -1
+        self.first = False  # it came first in that Calls
         #: Sent in a ``Calls`` of its own: it may have been running when a
         #: loop died, and its next loss must say so exactly.
         self.alone = split is not None
@@ -601,7 +604,8 @@ class PoolEngine:
         number = next(self._calls_numbers)
         self._calls_sent += 1
         for _, chunk in batch:
-            chunk.calls = number
+            chunk.calls, chunk.first = number, False
+        batch[0][1].first = True
         msg = proto.encode(proto.Calls([call for call, _ in batch]))
         if not peer.broken:
             try:
@@ -808,7 +812,7 @@ class PoolEngine:
             back: list[_Chunk] = []
             rerun = 0  # items that may have been running there and go again
             ran, never = proto.lost_chunks(
-                [(c.calls, c) for c in peer.inflight.values()]
+                [(c.calls, c.first, c) for c in peer.inflight.values()]
             )
             exact = len(ran) == 1  # else which of them ran we cannot tell
             ran = [c for c in ran if not c.job._finished]

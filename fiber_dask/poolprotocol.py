@@ -24,9 +24,9 @@ Batches (issue 15: one message per chunk capped the pool at the owner's one
 thread, whose largest cost was a socket send per chunk): the owner puts every
 chunk it hands one loop in one dispatch pass into one ``Calls``, and the loop
 answers a ``Calls`` with ``Results`` that each cover a run of its chunks: it
-answers what it has finished once :data:`FLUSH_SECONDS` have passed since
-the first unanswered one finished or :data:`FLUSH_CHUNKS` are waiting, and
-at the end of the ``Calls``.  A
+answers its first chunk on its own, then what it has finished once
+:data:`FLUSH_SECONDS` have passed since the first unanswered one finished or
+:data:`FLUSH_CHUNKS` are waiting, and at the end of the ``Calls``.  A
 ``Results`` never spans two ``Calls``.  So when a loop's connection drops,
 the chunks of the oldest ``Calls`` not answered yet are the ones that may
 have run (one of them was running); those of later ``Calls`` never started.
@@ -234,17 +234,23 @@ def decode(raw: bytes) -> Any:
 def lost_chunks(unanswered: list) -> tuple[list, list]:
     """A loop's connection dropped: which of its chunks may have run.
 
-    ``unanswered``: ``(calls_number, chunk)`` for every chunk sent to it and
-    not answered, in send order.  Returns ``(maybe_ran, never_started)``:
-    the chunks of the oldest ``Calls`` among them (the loop was running one
-    of them; the others before it finished without their ``Results`` being
-    sent, or after it never started), and those of later ``Calls``.
+    ``unanswered``: ``(calls_number, first, chunk)`` for every chunk sent to
+    it and not answered, in send order (``first``: the chunk came first in
+    its ``Calls``).  Returns ``(maybe_ran, never_started)``: the chunks of
+    the oldest ``Calls`` among them (the loop was running one of them; the
+    others before it finished without their ``Results`` being sent, or after
+    it never started), and those of later ``Calls``.  When the first of them
+    is its ``Calls``' first chunk, which a loop answers on its own, it is
+    the only one that ran.
     """
     if not unanswered:
         return [], []
-    first = unanswered[0][0]
-    ran = [chunk for number, chunk in unanswered if number == first]
-    return ran, [chunk for number, chunk in unanswered[len(ran) :]]
+    first_number, first, _ = unanswered[0]
+    n = 1
+    if not first:
+        while n < len(unanswered) and unanswered[n][0] == first_number:
+            n += 1
+    return [c for _, _, c in unanswered[:n]], [c for _, _, c in unanswered[n:]]
 
 
 # ---------------------------------------------------------------- functions

@@ -330,9 +330,10 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
     chunks are short: it goes at once after a chunk that ran
     ``FLUSH_SECONDS`` or more, once ``FLUSH_SECONDS`` have passed since the
     oldest result waiting finished or ``FLUSH_CHUNKS`` wait, and at the end
-    of each ``Calls`` (never
-    in the same ``Results`` as a later ``Calls``' chunks: the owner's rule for
-    a lost loop, ``poolprotocol.lost_chunks``, depends on it).
+    of each ``Calls``.  The first chunk of a ``Calls`` is answered on its
+    own, so a loop lost in it is known to have run only that one.  Never in
+    the same ``Results`` as a later ``Calls``' chunks: the owner's rule for a
+    lost loop, ``poolprotocol.lost_chunks``, depends on it.
     """
     completed = 0
     flush_after, flush_chunks = proto.FLUSH_SECONDS, proto.FLUSH_CHUNKS
@@ -359,6 +360,7 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
             answers.append(loop.result(call.ckey, ok, value, secs, last))
             if (
                 last
+                or i == 0
                 or i == len(calls) - 1
                 or secs >= flush_after
                 or now - oldest >= flush_after

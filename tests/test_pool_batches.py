@@ -73,11 +73,14 @@ def test_an_item_that_kills_its_process_in_a_batch_is_still_named(client):
             assert pool.map(kill_self_on_7, range(8, 60), chunksize=1) == list(
                 range(8, 60)
             )
-            sent_before = engine._calls_sent
             res = pool.map_async(kill_self_on_7, range(60), chunksize=1)
             with pytest.raises(WorkerLostError) as info:
                 res.get(timeout=150)
-            assert engine._calls_sent - sent_before < 60
+            # Item 7 was not alone in its Calls (the first pass hands each slot
+            # every other chunk): its slot's loss sent the Calls' unanswered
+            # chunks again, counted as re-runs (a loss of item 7 alone adds 1,
+            # the last none).
+            assert engine._stats.reruns >= 3, engine._stats.reruns
             message = str(info.value)
             # The batch it was in is re-run chunk by chunk, so the losses
             # that count name the item itself.

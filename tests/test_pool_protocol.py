@@ -89,10 +89,15 @@ def test_items_pickle_plainly_only_when_plain():
 
 def test_lost_chunks_are_those_of_the_oldest_unanswered_calls():
     assert proto.lost_chunks([]) == ([], [])
-    # Calls 4 had a, b (a answered already: not listed); 5 and 6 never started.
-    unanswered = [(4, "b"), (4, "c"), (5, "d"), (6, "e")]
+    # Calls 4 had a, b, c (a answered already: not listed); 5 and 6 never
+    # started.
+    unanswered = [(4, False, "b"), (4, False, "c"), (5, True, "d"), (6, True, "e")]
     assert proto.lost_chunks(unanswered) == (["b", "c"], ["d", "e"])
-    assert proto.lost_chunks([(9, "x")]) == (["x"], [])
+    # The first chunk of a Calls is answered on its own: lost in it, the loop
+    # ran only that one.
+    unanswered = [(4, True, "a"), (4, False, "b"), (5, True, "c")]
+    assert proto.lost_chunks(unanswered) == (["a"], ["b", "c"])
+    assert proto.lost_chunks([(9, False, "x")]) == (["x"], [])
 
 
 def _raised(exc):
