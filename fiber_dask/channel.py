@@ -403,6 +403,7 @@ _HEADER = struct.Struct("!i")
 _LONG_HEADER = struct.Struct("!Q")
 #: Bytes a :class:`FrameReader` asks the kernel for at once.
 _READ_SIZE = 1 << 18
+_MAX_READ = 1 << 26
 
 
 class FrameReader:
@@ -421,12 +422,13 @@ class FrameReader:
     frame with its own ``recv_bytes``, as long as it holds decrypted data.
     """
 
-    __slots__ = ("_conn", "_fd", "_buf")
+    __slots__ = ("_conn", "_fd", "_buf", "_want")
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
         self._fd = conn.fileno() if isinstance(conn, Connection) else None
         self._buf = bytearray()
+        self._want = 0  # bytes still missing of a large frame begun
 
     def frames(self) -> list[bytes]:
         """The frames received so far (possibly none: a frame's start only).
@@ -441,7 +443,9 @@ class FrameReader:
                 out.append(conn.recv_bytes())
             return out
         buf = self._buf
-        data = os.read(self._fd, _READ_SIZE)
+        # The rest of a large frame in one read if the socket has it (a
+        # result of 100 MB then takes a few reads, not 400).
+        data = os.read(self._fd, min(max(_READ_SIZE, self._want), _MAX_READ))
         if not data:
             raise EOFError("the peer hung up")
         buf += data
@@ -456,9 +460,12 @@ class FrameReader:
                 (size,) = _LONG_HEADER.unpack_from(buf, start)
                 start += 8
             if end - start < size:
+                self._want = start + size - end
                 break
             out.append(bytes(buf[start : start + size]))
             pos = start + size
+        else:
+            self._want = 0
         if pos:
             del buf[:pos]
         return out

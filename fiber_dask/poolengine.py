@@ -470,18 +470,18 @@ class PoolEngine:
                 return
             loads = self._load_index
             out: dict[_Peer, list[list]] = {}  # peer -> its Calls, being filled
+            job, size, depth = None, 0, 1  # the last chunk's depth, reused
             try:
                 while True:
                     chunk = self._next_chunk()
                     if chunk is None:
                         return
-                    depth = self._depth(chunk)
-                    best = None
-                    for n in range(depth):
-                        peers = loads.get(n)
-                        if peers:
-                            best = next(iter(peers))
-                            break
+                    if chunk.job is not job or len(chunk.items) != size:
+                        job, size = chunk.job, len(chunk.items)
+                        depth = self._depth(chunk)
+                    # The least loaded loop (every bucket in loads is non-empty).
+                    least = min(loads, default=depth)
+                    best = next(iter(loads[least])) if least < depth else None
                     if best is None:
                         self._retry.appendleft(chunk)  # first in line next time
                         if self._elastic is not None:
