@@ -5,13 +5,15 @@ What the owner's per-chunk cost caps (issue 15): every item is its own chunk,
 so the figure is the pool's chunks per second.  ``multiprocessing.Pool``
 (fork) and ``fiber_dask.Pool`` run side by side in one run, interleaved over
 ``--repeats``; each cell is the median items/s.  Cases: ``imap`` (chunksize=1,
-the stdlib default), ``map`` with ``chunksize=1``, and ``map`` with no
-chunksize (the stdlib's len/(4 x processes) rule against fiber-dask's
-chunking by measurement).
+the stdlib default), ``map`` with ``chunksize=1``, ``map`` with no chunksize
+(the stdlib's len/(4 x processes) rule against fiber-dask's chunking by
+measurement, of a function the pool has measured), and ``map-new``: the
+same with a function the pool has not seen yet (a new ``functools.partial``
+each time), so fiber-dask starts it unmeasured.
 
 Run from the repository root::
 
-    python benchmarks/dispatch.py                    # 2 slots, 20000 items
+    python benchmarks/dispatch.py                    # 2 slots, 20000 items, 5 repeats
     python benchmarks/dispatch.py --slots 4 --items 50000 --repeats 5
 
 This module is also what the workers import for the task (by reference, as
@@ -22,6 +24,7 @@ library.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import statistics
@@ -31,7 +34,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = ("imap1", "map1", "map-default")
+CASES = ("imap1", "map1", "map-default", "map-new")
 
 
 def noop(x: int) -> int:
@@ -46,8 +49,10 @@ def run_case(pool, case: str, n: int) -> float:
         got = sum(1 for _ in pool.imap(noop, items, chunksize=1))
     elif case == "map1":
         got = len(pool.map(noop, items, chunksize=1))
-    else:
+    elif case == "map-default":
         got = len(pool.map(noop, items))
+    else:
+        got = len(pool.map(functools.partial(noop), items))
     dt = time.perf_counter() - t
     assert got == n
     return n / dt
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--items", type=int, default=20000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--slot-kind",
         choices=("process", "thread"),

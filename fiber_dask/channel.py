@@ -54,7 +54,14 @@ from . import cluster, gate, security, tls
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChannelServer", "connect", "get_server", "ChannelError", "Unreachable"]
+__all__ = [
+    "ChannelServer",
+    "FrameReader",
+    "connect",
+    "get_server",
+    "ChannelError",
+    "Unreachable",
+]
 
 _NONCE = 32
 _CHALLENGE = b"#FIBER-CHALLENGE#"
@@ -390,3 +397,75 @@ def hangup(conn: Connection) -> None:
     except OSError:
         pass
     conn.close()
+
+
+_HEADER = struct.Struct("!i")
+_LONG_HEADER = struct.Struct("!Q")
+#: Bytes a :class:`FrameReader` asks the kernel for at once.
+_READ_SIZE = 1 << 18
+_MAX_READ = 1 << 26
+
+
+class FrameReader:
+    """Every complete frame a connection holds, read in one system call.
+
+    ``Connection.recv_bytes`` makes two reads per frame (the length, then the
+    body); a peer that sends often (a pool loop answering chunks) leaves
+    several frames waiting by the time a busy reader gets to it, and this
+    takes them all with one ``read`` of what the socket holds.  Call
+    :meth:`frames` only when the connection is readable (a selector said
+    so): it reads once, which then does not block.  The frames are those of
+    ``Connection.send_bytes`` (4-byte big-endian length, or -1 and an 8-byte
+    length for frames of 2 GiB and more).
+
+    A TLS connection (:class:`fiber_dask.tls.TLSConnection`) is read frame by
+    frame with its own ``recv_bytes``, as long as it holds decrypted data.
+    """
+
+    __slots__ = ("_conn", "_fd", "_buf", "_want")
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._fd = conn.fileno() if isinstance(conn, Connection) else None
+        self._buf = bytearray()
+        self._want = 0  # bytes still missing of a large frame begun
+
+    def frames(self) -> list[bytes]:
+        """The frames received so far (possibly none: a frame's start only).
+
+        Raises ``EOFError`` once the peer has hung up (a frame cut short by
+        the hang-up is dropped), ``OSError`` when the connection fails.
+        """
+        if self._fd is None:
+            conn = self._conn
+            out = [conn.recv_bytes()]
+            while conn.poll(0):
+                out.append(conn.recv_bytes())
+            return out
+        buf = self._buf
+        # The rest of a large frame in one read if the socket has it (a
+        # result of 100 MB then takes a few reads, not 400).
+        data = os.read(self._fd, min(max(_READ_SIZE, self._want), _MAX_READ))
+        if not data:
+            raise EOFError("the peer hung up")
+        buf += data
+        out = []
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (size,) = _HEADER.unpack_from(buf, pos)
+            start = pos + 4
+            if size == -1:
+                if end - pos < 12:
+                    break
+                (size,) = _LONG_HEADER.unpack_from(buf, start)
+                start += 8
+            if end - start < size:
+                self._want = start + size - end
+                break
+            out.append(bytes(buf[start : start + size]))
+            pos = start + size
+        else:
+            self._want = 0
+        if pos:
+            del buf[:pos]
+        return out

@@ -7,11 +7,11 @@ How a call travels::
     ─────────────            ────────────────────────────        Dask task, one
     apply_async/map/imap                                          per slot)
       job → engine.submit
-      _dispatch(): pick the   ◄─ Result(ckey, ok, blob, …) ──────  serve(): run
-      least-loaded loop,         _on_message: refill that loop,    the chunk,
-      pickle chunk, send         then settle the job: callbacks,   send its result
-      Call(ckey, fid, …) ───────────────────────────────────────►
-                                 event.set()
+      _dispatch(): pick the   ◄─ Results([Result(ckey, ok, …)]) ─  serve(): run
+      least-loaded loop per      _on_messages: refill the loops,   the chunks,
+      chunk, send each loop      then settle the jobs: callbacks,  answer runs
+      its chunks in one          event.set()                       of them
+      Calls([Call(ckey, …), …]) ────────────────────────────────►
     Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
     died, scales the cluster.  Per task there is no scheduler round trip.
 

@@ -13,13 +13,26 @@ Its public surface: :meth:`start`, :meth:`submit`, :meth:`close`,
 ``broken``, and for jobs :meth:`job_finished`, :meth:`job_consumed` and
 ``draining``.
 
-Worker loss: a loop serves its chunks in the order they were sent, so when its
-connection drops the oldest chunk it held was the one running; the others
-never started and go back as they were.  The running chunk, if it had several
-items, is re-run item by item without counting a failure (we cannot tell
-which item was running); a single item that was running counts one.  So only
-an item that was running each time accrues failures, as Dask counts per task,
-and it fails with :class:`~fiber_dask.errors.WorkerLostError` after
+Dispatch in batches (issue 15): one pass of :meth:`PoolEngine._dispatch`
+takes the lock once and sends each loop the chunks it picked for it in one
+``Calls`` message; the result thread reads every frame a loop sent with one
+read, takes the answered chunks off under the lock once per turn, refills the
+loops in one pass, and only then loads and settles the results.  Under load
+the batches grow by themselves: the more answers wait at a turn, the more
+chunks the refill carries per message.
+
+Worker loss: a loop runs its chunks in the order they were sent and answers
+a ``Calls`` before it starts the next, so when its connection drops the
+unanswered chunks of the oldest ``Calls`` it held are the ones that may have
+run (:func:`fiber_dask.poolprotocol.lost_chunks`; only the first, when it
+came first in its ``Calls``, which a loop answers on its own); the others
+never started and go back as they were.  If only one may have run, it was running: if it
+had several items it is re-run item by item without counting a failure (we
+cannot tell which item was running); a single item counts one.  If several
+may have run, each is re-run in a ``Calls`` of its own, without counting, so
+the next loss names it.  So only an item that was running each time accrues
+failures, as Dask counts per task, and it fails with
+:class:`~fiber_dask.errors.WorkerLostError` after
 ``fiber.pool.allowed-failures``.  Workers that die while no chunk finishes in
 between (an out-of-memory storm) fail the running jobs after a bound instead
 of looping forever.
@@ -76,13 +89,30 @@ class _Chunk:
     """Items of one job sent together.  ``split``: the :class:`_Split` this
     single item belongs to when its chunk was re-run item by item."""
 
-    __slots__ = ("job", "index", "items", "attempts", "worker", "split", "offset")
+    __slots__ = (
+        "job",
+        "index",
+        "items",
+        "attempts",
+        "worker",
+        "split",
+        "offset",
+        "calls",
+        "first",
+        "alone",
+    )
 
     def __init__(self, job, index, items, split=None, offset=0):
         self.job, self.index, self.items = job, index, items
         self.attempts = 0
         self.worker = None
         self.split, self.offset = split, offset
+        #: The number of the ``Calls`` message it was last sent in.
+        self.calls = -1
+        self.first = False  # it came first in that Calls
+        #: Sent in a ``Calls`` of its own: it may have been running when a
+        #: loop died, and its next loss must say so exactly.
+        self.alone = split is not None
 
     def first_item(self) -> int:
         return self.job._first_item(self.index) + self.offset
@@ -118,6 +148,7 @@ class _Peer:
 
     __slots__ = (
         "conn",
+        "reader",
         "inflight",
         "funcs",
         "pid",
@@ -131,7 +162,10 @@ class _Peer:
 
     def __init__(self, conn, hello):
         self.conn = conn
-        self.inflight: dict[int, _Chunk] = {}  # in send order: the first runs
+        self.reader = channel.FrameReader(conn)
+        #: Chunks sent and not answered, in send order (poolprotocol's
+        #: lost_chunks tells which may have run when the connection drops).
+        self.inflight: dict[int, _Chunk] = {}
         self.funcs = proto.PeerFunctions()
         self.pid = hello.get("pid")
         self.worker = hello.get("worker")
@@ -253,7 +287,7 @@ class PoolEngine:
         #: Worker losses with no chunk finishing in between, beyond which the
         #: running jobs fail: workers die under the pool faster than it works.
         self._loss_limit = max(10, 2 * (self._allowed_failures + 1) * processes)
-        self.max_in_flight = config.get("pool.max-in-flight") or max(16, 4 * processes)
+        self.max_in_flight = config.get("pool.max-in-flight") or max(64, 4 * processes)
         self.default_chunksize = config.get("pool.chunksize")
         #: Set by join(): imap back-pressure is lifted, join waits for all work.
         self.draining = False
@@ -268,6 +302,8 @@ class PoolEngine:
         self._peer_at: dict[int, _Peer] = {}  # slot position -> peer
         self._load_index: dict[int, dict] = {}
         self._ckeys = itertools.count()
+        self._calls_numbers = itertools.count()  # numbers Calls messages
+        self._calls_sent = 0  # Calls messages sent (chunks go several to one)
         self._fids: collections.OrderedDict = collections.OrderedDict()
         self._fid_counter = itertools.count()
         self._loops: dict[int, Any] = {}  # loop number -> its Dask future
@@ -423,28 +459,39 @@ class PoolEngine:
         of work, estimated per function from its past chunks.  A function not
         seen yet, or one whose chunks are long, is handed out one chunk at a
         time: nothing waits queued behind a long task while another loop idles.
+
+        The chunks one pass hands a loop go in one ``Calls`` message (one
+        pickle and one socket send for all of them: per chunk, those were
+        most of the owner's time); a chunk marked ``alone`` goes in one of its
+        own.  A pass takes the lock once, whatever it sends.
         """
         with self._lock:
             if self.state == TERMINATE or self._released:
                 return
             loads = self._load_index
-            while True:
-                chunk = self._next_chunk()
-                if chunk is None:
-                    return
-                depth = self._depth(chunk)
-                best = None
-                for n in range(depth):
-                    peers = loads.get(n)
-                    if peers:
-                        best = next(iter(peers))
-                        break
-                if best is None:
-                    self._retry.appendleft(chunk)  # first in line next time
-                    if self._elastic is not None:
-                        self._elastic.wanted()  # slots given back: ask again
-                    return
-                self._send_chunk(best, chunk)
+            out: dict[_Peer, list[list]] = {}  # peer -> its Calls, being filled
+            job, size, depth = None, 0, 1  # the last chunk's depth, reused
+            try:
+                while True:
+                    chunk = self._next_chunk()
+                    if chunk is None:
+                        return
+                    if chunk.job is not job or len(chunk.items) != size:
+                        job, size = chunk.job, len(chunk.items)
+                        depth = self._depth(chunk)
+                    # The least loaded loop (every bucket in loads is non-empty).
+                    least = min(loads, default=depth)
+                    best = next(iter(loads[least])) if least < depth else None
+                    if best is None:
+                        self._retry.appendleft(chunk)  # first in line next time
+                        if self._elastic is not None:
+                            self._elastic.wanted()  # slots given back: ask again
+                        return
+                    self._add_call(best, chunk, out)
+            finally:
+                for peer, batches in out.items():
+                    for batch in batches:
+                        self._send_calls(peer, batch)
 
     def _file(self, peer: _Peer) -> None:
         """File ``peer`` under its number of chunks in flight (each bucket a
@@ -519,11 +566,14 @@ class PoolEngine:
             self._fids.popitem(last=False)
         return fid, blob
 
-    def _send_chunk(self, peer: _Peer, chunk: _Chunk) -> None:
+    def _add_call(self, peer: _Peer, chunk: _Chunk, out: dict) -> None:
+        """Put ``chunk`` in the ``Calls`` this pass is filling for ``peer``
+        (sent by :meth:`_dispatch` at the end of the pass); it counts as in
+        flight there from now, so the next pick sees the loop's new load."""
         job = chunk.job
         try:
             fid, fblob = self._function_blob(job._func)
-            payload = cloudpickle.dumps(chunk.items, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = proto.dumps_items(chunk.items)
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
             # caller's get(), as the stdlib reports it.
@@ -532,30 +582,45 @@ class PoolEngine:
             return
         ckey = next(self._ckeys)
         send_blob, evict = peer.funcs.use(fid)
-        msg = proto.encode(
-            proto.Call(
-                ckey,
-                fid,
-                fblob if send_blob else None,
-                job.mode,
-                payload,
-                self._retries,
-                evict,
-            )
+        call = proto.Call(
+            ckey,
+            fid,
+            fblob if send_blob else None,
+            job.mode,
+            payload,
+            self._retries,
+            evict,
         )
-        try:
-            peer.conn.send_bytes(msg)
-        except OSError:
-            # The loop is gone; the result thread will see its EOF.  The chunk
-            # never ran there, so it goes back without counting an attempt.
-            peer.broken = True
-            self._file(peer)
-            self._retry.appendleft(chunk)
-            self._wake()
-            return
+        batches = out.setdefault(peer, [])
+        if chunk.alone or not batches or batches[-1][-1][1].alone:
+            batches.append([])
+        batches[-1].append((call, chunk))
         peer.inflight[ckey] = chunk
         self._stats.sent(peer)
         self._file(peer)
+
+    def _send_calls(self, peer: _Peer, batch: list) -> None:
+        """Send one ``Calls`` (``batch``: its ``(Call, chunk)`` pairs)."""
+        number = next(self._calls_numbers)
+        self._calls_sent += 1
+        for _, chunk in batch:
+            chunk.calls, chunk.first = number, False
+        batch[0][1].first = True
+        msg = proto.encode(proto.Calls([call for call, _ in batch]))
+        if not peer.broken:
+            try:
+                peer.conn.send_bytes(msg)
+                return
+            except OSError:
+                pass
+        # The loop is gone; the result thread will see its EOF.  These chunks
+        # never ran there, so they go back without counting an attempt.
+        peer.broken = True
+        for call, _ in batch:
+            peer.inflight.pop(call.ckey, None)
+        self._file(peer)
+        self._retry.extendleft(reversed([chunk for _, chunk in batch]))
+        self._wake()
 
     def _settle(self, chunk: _Chunk, ok: bool, value: Any) -> None:
         if chunk.split is not None:
@@ -617,6 +682,8 @@ class PoolEngine:
             ready = [key.fileobj for key, _ in self._sel.select(timeout=0.5)]
         except (OSError, ValueError):  # closed by _release
             return not self._released
+        arrived: list[tuple[_Peer, Any]] = []
+        lost: list[_Peer] = []
         for obj in ready:
             if obj is self._wake_r:
                 try:
@@ -629,16 +696,24 @@ class PoolEngine:
             if peer is None:
                 continue
             try:
-                raw = obj.recv_bytes()
+                frames = peer.reader.frames()
             except (EOFError, OSError):
-                self._peer_lost(peer)
-                continue
-            if self.state == TERMINATE:
-                continue  # results of a terminated pool: nobody waits for them
+                frames = None
+            if self.state != TERMINATE:  # else nobody waits for the results
+                for raw in frames or ():
+                    try:
+                        arrived.append((peer, proto.decode(raw)))
+                    except Exception:  # never let one bad message kill the pool
+                        logger.exception("fiber-dask: error decoding a pool message")
+            if frames is None:
+                lost.append(peer)
+        if arrived:
             try:
-                self._on_message(peer, proto.decode(raw))
+                self._on_messages(arrived)
             except Exception:  # never let one bad message kill the pool
                 logger.exception("fiber-dask: error handling a pool message")
+        for peer in lost:  # after what it sent before hanging up
+            self._peer_lost(peer)
         self._maintain()
         return True
 
@@ -670,32 +745,47 @@ class PoolEngine:
                 return False
         return True
 
-    def _on_message(self, peer: _Peer, msg: Any) -> None:
-        if isinstance(msg, proto.Result):
-            with self._lock:
-                chunk = peer.inflight.pop(msg.ckey, None)
-                peer.last_active = time.monotonic()
-                if chunk is not None:
-                    self._learn(chunk, msg.seconds)
-                    self._losses.clear()  # the pool makes progress
-                    self._stats.result(peer, len(chunk.items), msg.ok)
-                if msg.last:
-                    peer.retiring = True
-                    self._recycled.add(peer.loop)
+    def _on_messages(self, arrived: list[tuple[_Peer, Any]]) -> None:
+        """Handle what one turn read from the loops: take every answered chunk
+        off its loop under the lock once, refill the loops in one dispatch
+        pass, then load and settle the results outside the lock."""
+        settle: list[tuple[_Chunk, Any]] = []
+        broken: list[bytes] = []
+        with self._lock:
+            now = time.monotonic()
+            for peer, msg in arrived:
+                if not isinstance(msg, proto.Results):
+                    if isinstance(msg, proto.InitFailed):
+                        broken.append(msg.blob)
+                    continue
+                peer.last_active = now
+                for result in msg.results:
+                    chunk = peer.inflight.pop(result.ckey, None)
+                    if chunk is not None:
+                        self._learn(chunk, result.seconds)
+                        self._stats.result(peer, len(chunk.items), result.ok)
+                        settle.append((chunk, result))
+                    if result.last:
+                        peer.retiring = True
+                        self._recycled.add(peer.loop)
                 self._file(peer)
-                self._dispatch()  # refill before settling: keep the loops busy
-            if chunk is None:
-                return
-            if msg.ok:
+            if settle:
+                self._losses.clear()  # the pool makes progress
+            self._dispatch()  # refill before settling: keep the loops busy
+        for chunk, result in settle:
+            if result.ok:
                 try:
-                    ok, value = True, pickle.loads(msg.blob)
+                    ok, value = True, pickle.loads(result.blob)
                 except Exception as e:
                     ok, value = False, e
             else:
-                ok, value = False, proto.decode_failure(msg.blob)
-            self._settle(chunk, ok, value)
-        elif isinstance(msg, proto.InitFailed):
-            self._break(proto.decode_failure(msg.blob))
+                ok, value = False, proto.decode_failure(result.blob)
+            try:
+                self._settle(chunk, ok, value)
+            except Exception:  # one failing callback must not drop the others
+                logger.exception("fiber-dask: error settling a pool result")
+        for blob in broken:
+            self._break(proto.decode_failure(blob))
 
     def _learn(self, chunk: _Chunk, secs: float) -> None:
         entry = self._fids.get(id(chunk.job._func))
@@ -720,18 +810,32 @@ class PoolEngine:
             if self.state == TERMINATE or self._released:
                 return
             back: list[_Chunk] = []
-            rerun = 0  # items that were running there and go again
-            chunks = [c for c in peer.inflight.values() if not c.job._finished]
-            if chunks and not peer.retiring:
+            rerun = 0  # items that may have been running there and go again
+            ran, never = proto.lost_chunks(
+                [(c.calls, c.first, c) for c in peer.inflight.values()]
+            )
+            exact = len(ran) == 1  # else which of them ran we cannot tell
+            ran = [c for c in ran if not c.job._finished]
+            never = [c for c in never if not c.job._finished]
+            if (ran or never) and not peer.retiring:
                 self._losses.append(time.monotonic())
-            for i, chunk in enumerate(chunks):
-                if i > 0 or peer.retiring:
-                    back.append(chunk)  # queued there, never started
-                elif len(chunk.items) > 1:
+            if peer.retiring:
+                back.extend(ran)  # maxtasksperchild: it ended after its last
+            elif not exact:
+                # One Calls' chunks, one of them running (the others finished
+                # unanswered, or never started): each goes again in a Calls
+                # of its own, without counting a failure, so that the next
+                # loss names the chunk.
+                for chunk in ran:
+                    chunk.alone = True
+                    back.append(chunk)
+                    rerun += len(chunk.items)
+            for chunk in ran if exact and not peer.retiring else ():
+                if len(chunk.items) > 1:
                     # It was running, but which item we cannot tell: re-run it
                     # item by item, so the next loss names the item.
                     split = _Split(len(chunk.items))
-                    rerun = len(chunk.items)
+                    rerun += len(chunk.items)
                     for offset, item in enumerate(chunk.items):
                         back.append(
                             _Chunk(chunk.job, chunk.index, [item], split, offset)
@@ -739,11 +843,13 @@ class PoolEngine:
                 else:
                     chunk.attempts += 1
                     chunk.worker = peer.worker
+                    chunk.alone = True
                     if chunk.attempts > self._allowed_failures:
                         failed.append((chunk, self._item_error(chunk, peer)))
                     else:
                         back.append(chunk)
-                        rerun = 1
+                        rerun += 1
+            back.extend(never)  # queued there, never started
             self._stats.rerun(rerun, len(failed))
             self._retry.extendleft(reversed(back))
             if back:

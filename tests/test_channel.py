@@ -295,3 +295,36 @@ def test_the_total_bound_drops_the_oldest_at_once(monkeypatch):
         for sock in silent:
             sock.close()
         s.close()
+
+
+def test_frame_reader_reads_every_waiting_frame_and_keeps_partial_ones():
+    """FrameReader (the pool owner's reads): several frames in one read, a
+    frame larger than one read, an empty frame, then EOF."""
+    import selectors
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    reader = channel.FrameReader(receiver)
+    for m in (b"a", b"bb", b"ccc"):
+        sender.send_bytes(m)
+    assert reader.frames() == [b"a", b"bb", b"ccc"]  # all three, one read
+    big = bytes(range(256)) * 4096  # 1 MiB: several reads
+    sent = [b"one", b"", b"three", big, b"last"]
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: [sender.send_bytes(m) for m in sent])
+    t.start()
+    sel = selectors.DefaultSelector()
+    sel.register(receiver, selectors.EVENT_READ)
+    reads = 0
+    while len(got) < len(sent):
+        assert sel.select(timeout=30), f"waited 30 s for frames; got {len(got)}"
+        got.extend(reader.frames())
+        reads += 1
+    t.join()
+    assert got == sent
+    assert reads < len(sent) + len(big) // (1 << 16)  # not a read per byte
+    sender.close()
+    assert sel.select(timeout=30)
+    with pytest.raises(EOFError):
+        reader.frames()
+    receiver.close()

@@ -40,9 +40,16 @@ def test_the_rule():
     assert measured_chunksize(0.01, 1024, 10**6) == 21  # ~0.2 s chunks
     assert measured_chunksize(0.2, 1024, 2048) == 1  # long tasks: one each
     assert measured_chunksize(1e-6, 2, 10**6) == 50000  # 50 ms at least
-    # Never fewer than two chunks per slot of what is left.
-    assert measured_chunksize(1e-6, 2, 100) == 25
+    # Never fewer than two chunks per slot of what is left...
+    assert measured_chunksize(1e-4, 2, 1000) == 250
+    assert measured_chunksize(1e-4, 2, 100) == 25
+    # ... unless they would last under TAIL_SECONDS (1 ms): 10 items of 0.1 ms.
+    assert measured_chunksize(1e-4, 2, 20) == 10
+    assert measured_chunksize(1e-6, 2, 100) == 100  # never more than is left
     assert measured_chunksize(1e-6, 2, 1) == 1
+    # 20,000 trivial tasks on 2 slots: two chunks (the stdlib's rule cuts 8).
+    assert measured_chunksize(1e-7, 2, 20000) == 10000
+    assert measured_chunksize(1e-7, 2, 10000) == 10000
 
 
 def test_map_without_chunksize_equals_the_stdlib(ctx):
@@ -60,10 +67,10 @@ def test_chunks_adapt_to_the_task_duration(fiber_ctx):
     with fiber_ctx.Pool(2) as pool:
         fast = pool.map_async(triple, range(20000))
         assert fast.get(timeout=120) == [3 * x for x in range(20000)]
-        # The stdlib rule would cut 8 chunks of 2500; item by item would be
-        # 20000.  Measured: single items until the first result, then chunks
-        # of at least 50 ms of work that shrink toward the end.
-        assert 8 < fast._chunk_index < 2000, fast._chunk_index
+        # Item by item would be 20000 chunks.  Measured: a single item per
+        # slot until the first result (so at least 3 chunks), then chunks of
+        # up to 50 ms of work that shrink toward the end, down to 1 ms.
+        assert 2 < fast._chunk_index < 2000, fast._chunk_index
         slow = pool.map_async(nap, range(24))
         assert slow.get(timeout=120) == [-x for x in range(24)]
         # 0.1 s a task is longer than a chunk's 50 ms: one item per chunk,

@@ -28,8 +28,8 @@ def test_owner_and_loop_agree_on_every_function_under_a_long_random_run():
     for step in range(20000):
         # One hot function, a warm set, and a long tail of new ones.
         fid = rng.choice([0] * 5 + list(range(1, 40)) + [rng.randrange(40, 3000)])
-        raw = proto.encode(_call(peer, fid, blobs))
-        call = proto.decode(raw)
+        raw = proto.encode(proto.Calls([_call(peer, fid, blobs)]))
+        (call,) = proto.decode(raw).calls
         assert loop.lookup(call) == ("f", fid), step
         assert len(loop) == len(peer) <= 64
     # The hot function was loaded once or a few times, not on every call.
@@ -54,13 +54,50 @@ def test_a_function_that_fails_to_load_keeps_failing_then_loads_when_it_can():
 
 
 def test_messages_round_trip():
-    r = proto.decode(proto.encode(proto.Result(3, True, b"x", 0.5, False)))
-    assert isinstance(r, proto.Result)
+    calls = [proto.Call(k, 7, None, 0, b"p%d" % k, 0, ()) for k in range(3)]
+    c = proto.decode(proto.encode(proto.Calls(calls)))
+    assert isinstance(c, proto.Calls)
+    assert [x.fields() for x in c.calls] == [x.fields() for x in calls]
+    r = proto.decode(
+        proto.encode(proto.Results([proto.Result(3, True, b"x", 0.5, False)]))
+    )
+    assert isinstance(r, proto.Results)
+    (r,) = r.results
     assert (r.ckey, r.ok, r.blob, r.seconds, r.last) == (3, True, b"x", 0.5, False)
     i = proto.decode(proto.encode(proto.InitFailed(b"e")))
     assert isinstance(i, proto.InitFailed) and i.blob == b"e"
     assert proto.decode(proto.STOP) is proto.STOP
     assert proto.decode(proto.TERMINATE) is proto.TERMINATE
+
+
+class _Local:
+    pass
+
+
+def test_items_pickle_plainly_only_when_plain():
+    import cloudpickle
+
+    plain = [1, 2.5, "s", b"b", None, True, 1j, (1, "a"), 10**30]
+    assert pickle.loads(proto.dumps_items(plain)) == plain
+    assert proto.dumps_items(plain) == pickle.dumps(plain, pickle.HIGHEST_PROTOCOL)
+    # Anything else takes cloudpickle (by value for what lives in __main__).
+    other = [1, _Local, (1, [2])]
+    assert proto.dumps_items(other) == cloudpickle.dumps(other, pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(TypeError, match="generator"):
+        proto.dumps_items([(x for x in ())])  # what pickling raises, as it is
+
+
+def test_lost_chunks_are_those_of_the_oldest_unanswered_calls():
+    assert proto.lost_chunks([]) == ([], [])
+    # Calls 4 had a, b, c (a answered already: not listed); 5 and 6 never
+    # started.
+    unanswered = [(4, False, "b"), (4, False, "c"), (5, True, "d"), (6, True, "e")]
+    assert proto.lost_chunks(unanswered) == (["b", "c"], ["d", "e"])
+    # The first chunk of a Calls is answered on its own: lost in it, the loop
+    # ran only that one.
+    unanswered = [(4, True, "a"), (4, False, "b"), (5, True, "c")]
+    assert proto.lost_chunks(unanswered) == (["a"], ["b", "c"])
+    assert proto.lost_chunks([(9, False, "x")]) == (["x"], [])
 
 
 def _raised(exc):
