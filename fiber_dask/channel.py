@@ -184,7 +184,7 @@ class ChannelServer:
     def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
         self.authkey = bytes(authkey)
         self.context = context
-        self._services: dict[str, Handler] = {}
+        self._services: dict[str, tuple[Handler, bool]] = {}
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -195,17 +195,26 @@ class ChannelServer:
         self._closed = False
         self._gate = gate.get_gate()
         self._gate.listen(
-            self._sock, self._serve_handshake, self._on_ready, context, tune
+            self._sock,
+            self._serve_handshake,
+            self._on_ready,
+            context,
+            tune,
+            inline=lambda accepted: accepted[3],
         )
 
     def __repr__(self) -> str:
         tls_ = " tls" if self.context is not None else ""
         return f"<ChannelServer{tls_} {self.address[0]}:{self.address[1]}>"
 
-    def register(self, service: str, handler: Handler) -> None:
-        """Route authenticated connections whose hello names ``service``."""
+    def register(self, service: str, handler: Handler, *, inline: bool = False) -> None:
+        """Route authenticated connections whose hello names ``service``.
+
+        ``inline``: ``handler`` only hands the connection on and never blocks;
+        it runs on the gate's thread instead of a thread of its own (see
+        :meth:`fiber_dask.gate.Gate.listen`)."""
         with self._lock:
-            self._services[service] = handler
+            self._services[service] = (handler, inline)
 
     def unregister(self, service: str) -> None:
         with self._lock:
@@ -222,6 +231,7 @@ class ChannelServer:
         if not hmac.compare_digest(response, _digest(authkey, nonce)):
             yield gate.frame(_FAILURE)
             raise AuthenticationError("digest received was wrong (wrong authkey?)")
+        yield gate.AUTHENTICATED  # out of its host's bound on stalled peers
         yield gate.frame(_WELCOME)
         message = yield from gate.recv_frame()
         if not message.startswith(_CHALLENGE):
@@ -232,15 +242,15 @@ class ChannelServer:
         # Authenticated: only now is the peer trusted with pickle.
         service, hello = pickle.loads((yield from gate.recv_frame(_HELLO_MAX)))
         with self._lock:
-            handler = self._services.get(service)
+            handler, inline = self._services.get(service, (None, False))
         if handler is None:
             yield gate.frame(b"NOSERVICE")
             raise gate.Refused(f"no service {service!r}")
         yield gate.frame(b"OK")
-        return handler, service, hello
+        return handler, service, hello, inline
 
     def _on_ready(self, conn: Any, accepted: tuple) -> None:
-        handler, service, hello = accepted
+        handler, service, hello, _ = accepted
         try:
             handler(conn, hello)
         except Exception:  # a handler bug must not kill the server
