@@ -9,15 +9,16 @@ share it) by wrapping the functions that mark it, in the owner and, through
 ``client.run``, in every worker:
 
 * ``submitted``: ``Pool()`` returned (slot claim + the loops' ``client.map``);
-* ``started``: the loop's Dask task began (``poolworker.serve_slot``; for
-  process slots ``slots.keep``);
+* ``started``: the loop's Dask task began (``poolworker.serve_slot``);
 * ``dialling``: it got one of its process's dial permits and dials;
 * ``connected``: its handshake with the owner finished (worker side);
 * ``accepted``: the owner's pool took the connection (``PoolEngine._on_connect``);
 * ``running``: the slot's first task began (stamped by the task itself).
 
-For each phase: the time after ``Pool()`` at which 50 % / 100 % of the slots
-had passed it.  Also the gate's counters (handshakes cut, timed out) and,
+The worker-side phases (``started``, ``dialling``, ``connected``) are stamped
+for thread slots only: process slots connect from processes forked by each
+worker's template, which the wrappers do not reach.  For each phase: the time
+after ``Pool()`` at which 50 % / 100 % of the slots had passed it.  Also the gate's counters (handshakes cut, timed out) and,
 with ``--idle``, the CPU an idle connected pool costs (owner + workers).
 
 Run from the repository root::
@@ -33,7 +34,6 @@ import os
 import sys
 import threading
 import time
-from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,6 +79,19 @@ def _install() -> int:
 
 def _collect() -> list:
     return list(_stamps)
+
+
+def _sample(sched, stop: threading.Event, timeline: list, t0: float) -> None:
+    """Every 0.25 s: the scheduler's pool-loop tasks, counted by state."""
+    while not stop.wait(0.25):
+        counts: dict[str, int] = {}
+        try:
+            for k, ts in list(sched.tasks.items()):
+                if str(k).startswith("fiber-pool"):
+                    counts[ts.state] = counts.get(ts.state, 0) + 1
+        except RuntimeError:  # the dict changed size: sample again
+            continue
+        timeline.append((time.time() - t0, counts))
 
 
 def _pairs(per_worker: dict) -> list:
@@ -183,20 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         timeline: list[tuple[float, dict]] = []
         sampling = threading.Event()
 
-        def sample() -> None:
-            while not sampling.wait(0.25):
-                counts: dict[str, int] = {}
-                try:
-                    for k, ts in list(sched.tasks.items()):
-                        if str(k).startswith("fiber-pool"):
-                            counts[ts.state] = counts.get(ts.state, 0) + 1
-                except RuntimeError:
-                    continue
-                timeline.append((time.time() - t0, counts))
-
         t0 = time.time()
         if sched is not None and a.timeline:
-            threading.Thread(target=sample, daemon=True).start()
+            threading.Thread(
+                target=_sample, args=(sched, sampling, timeline, t0), daemon=True
+            ).start()
         pool = fiber_dask.Pool(a.slots)
         t_sub = time.time()
         res = pool.map_async(me.slot_task, [seconds] * a.slots, chunksize=1)

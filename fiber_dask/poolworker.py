@@ -141,8 +141,10 @@ class _Loop:
 #: Handshakes with the owner one process runs at once.  Thread slots put
 #: a hundred loops in one worker process; dialling all at once only makes
 #: each handshake slower (they share one GIL), and the owner's gate drops
-#: handshakes from one address beyond ``gate.MAX_PER_PEER`` that take over
-#: ``gate.MIN_AGE`` (issue 15: a 1024-slot pool lost loops that way).
+#: handshakes from one address beyond ``gate.MAX_PER_PEER`` whose peer has
+#: not proved the key within ``gate.MIN_AGE`` (one round trip).  At 4 a
+#: 1024-slot pool's loops waited here for most of its start-up (issue 15:
+#: 10-23 s of 11-23 s); at 16, 8 processes put at most 128 into the gate.
 _DIAL_AT_ONCE = 16
 _dialling = threading.BoundedSemaphore(_DIAL_AT_ONCE)
 #: Seconds a loop keeps retrying a handshake the owner dropped (a crowded
