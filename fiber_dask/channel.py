@@ -17,7 +17,9 @@ process that owns an object and the processes that use it::
 
 Security: nothing is unpickled before the peer has proved it knows the authkey.
 Both sides challenge each other with HMAC-SHA256 over random nonces (the scheme
-of ``multiprocessing.connection``, with a modern digest), so neither a stranger
+of ``multiprocessing.connection``, with a modern digest, pipelined: the client
+answers the server's challenge and sends its own and its hello in one burst,
+the server proves itself and answers the hello in one), so neither a stranger
 nor an impostor server can feed us pickles.  The authkey itself travels to the
 workers inside the Dask task, i.e. over Dask's comm (encrypted when Dask's TLS
 is configured).  When the cluster uses TLS, so do these connections (see
@@ -118,26 +120,42 @@ def _read_timeout(conn: Any, timeout: float | None) -> None:
         pass
 
 
-def _deliver_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
-    """The client's check of the server (the server's is :func:`_serve_handshake`)."""
-    nonce = os.urandom(_NONCE)
-    conn.send_bytes(_CHALLENGE + nonce)
-    response = _recv_small(conn, timeout)
-    if not hmac.compare_digest(response, _digest(authkey, nonce)):
-        conn.send_bytes(_FAILURE)
-        raise AuthenticationError("digest received was wrong (wrong authkey?)")
-    conn.send_bytes(_WELCOME)
+def _client_handshake(
+    conn: Connection,
+    authkey: bytes,
+    service: str,
+    hello: Any,
+    timeout: float,
+    where: str,
+) -> bytes:
+    """The client's side of the handshake (the server's is
+    :meth:`ChannelServer._serve_handshake`); returns the server's answer
+    about ``service`` (``OK`` or ``NOSERVICE``).
 
-
-def _answer_challenge(conn: Connection, authkey: bytes, timeout: float) -> None:
+    Pipelined, so a connect waits for the server one and a half round trips
+    (its challenge, then its proof and answer) instead of three and a half:
+    the answer to the server's challenge, our own challenge and the hello go
+    in one burst.  Nothing the server sends is trusted (nor ever unpickled)
+    before it has proved it knows the authkey; the hello it gets early is
+    plain metadata (a pid, a worker address, a slot number, the service
+    name), which the server reads only once *we* have proved the key.
+    """
     message = _recv_small(conn, timeout)
     if not message.startswith(_CHALLENGE):
         if tls.is_hello(message):
             raise tls.required_error("the fiber-dask endpoint")
         raise AuthenticationError("peer did not speak the fiber-dask handshake")
+    nonce = os.urandom(_NONCE)
     conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
+    conn.send_bytes(_CHALLENGE + nonce)
+    conn.send_bytes(pickle.dumps((service, hello)))
     if _recv_small(conn, timeout) != _WELCOME:
         raise AuthenticationError("digest sent was rejected (wrong authkey?)")
+    if not hmac.compare_digest(_recv_small(conn, timeout), _digest(authkey, nonce)):
+        raise AuthenticationError("digest received was wrong (wrong authkey?)")
+    if not conn.poll(timeout):
+        raise ChannelError(f"handshake with {where} timed out")
+    return conn.recv_bytes(64)
 
 
 def peer_timeout() -> float:
@@ -191,7 +209,7 @@ class ChannelServer:
     def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
         self.authkey = bytes(authkey)
         self.context = context
-        self._services: dict[str, Handler] = {}
+        self._services: dict[str, tuple[Handler, bool]] = {}
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -202,17 +220,26 @@ class ChannelServer:
         self._closed = False
         self._gate = gate.get_gate()
         self._gate.listen(
-            self._sock, self._serve_handshake, self._on_ready, context, tune
+            self._sock,
+            self._serve_handshake,
+            self._on_ready,
+            context,
+            tune,
+            inline=lambda accepted: accepted[3],
         )
 
     def __repr__(self) -> str:
         tls_ = " tls" if self.context is not None else ""
         return f"<ChannelServer{tls_} {self.address[0]}:{self.address[1]}>"
 
-    def register(self, service: str, handler: Handler) -> None:
-        """Route authenticated connections whose hello names ``service``."""
+    def register(self, service: str, handler: Handler, *, inline: bool = False) -> None:
+        """Route authenticated connections whose hello names ``service``.
+
+        ``inline``: ``handler`` only hands the connection on and never blocks;
+        it runs on the gate's thread instead of a thread of its own (see
+        :meth:`fiber_dask.gate.Gate.listen`)."""
         with self._lock:
-            self._services[service] = handler
+            self._services[service] = (handler, inline)
 
     def unregister(self, service: str) -> None:
         with self._lock:
@@ -220,8 +247,9 @@ class ChannelServer:
 
     def _serve_handshake(self) -> gate.Handshake:
         """The server's side of the handshake, run by the gate: challenge the
-        peer, answer its challenge, then (only now trusting it with pickle)
-        read its hello and find its service."""
+        peer; once it has proved the key (and only then trusting it with
+        pickle), read its challenge and hello, and answer both at once (see
+        :func:`_client_handshake` for the client's side)."""
         authkey = self.authkey
         nonce = os.urandom(_NONCE)
         yield gate.frame(_CHALLENGE + nonce)
@@ -229,25 +257,25 @@ class ChannelServer:
         if not hmac.compare_digest(response, _digest(authkey, nonce)):
             yield gate.frame(_FAILURE)
             raise AuthenticationError("digest received was wrong (wrong authkey?)")
-        yield gate.frame(_WELCOME)
+        yield gate.AUTHENTICATED  # out of its host's bound on stalled peers
         message = yield from gate.recv_frame()
         if not message.startswith(_CHALLENGE):
             raise AuthenticationError("peer did not speak the fiber-dask handshake")
-        yield gate.frame(_digest(authkey, message[len(_CHALLENGE) :]))
-        if (yield from gate.recv_frame()) != _WELCOME:
-            raise AuthenticationError("digest sent was rejected (wrong authkey?)")
         # Authenticated: only now is the peer trusted with pickle.
         service, hello = pickle.loads((yield from gate.recv_frame(_HELLO_MAX)))
         with self._lock:
-            handler = self._services.get(service)
+            handler, inline = self._services.get(service, (None, False))
+        proof = gate.frame(_WELCOME) + gate.frame(
+            _digest(authkey, message[len(_CHALLENGE) :])
+        )
         if handler is None:
-            yield gate.frame(b"NOSERVICE")
+            yield proof + gate.frame(b"NOSERVICE")
             raise gate.Refused(f"no service {service!r}")
-        yield gate.frame(b"OK")
-        return handler, service, hello
+        yield proof + gate.frame(b"OK")
+        return handler, service, hello, inline
 
     def _on_ready(self, conn: Any, accepted: tuple) -> None:
-        handler, service, hello = accepted
+        handler, service, hello, _ = accepted
         try:
             handler(conn, hello)
         except Exception:  # a handler bug must not kill the server
@@ -321,12 +349,9 @@ def connect(
         ),
     )
     try:
-        _answer_challenge(conn, authkey, timeout)
-        _deliver_challenge(conn, authkey, timeout)
-        conn.send_bytes(pickle.dumps((service, hello)))
-        if not conn.poll(timeout):
-            raise ChannelError(f"handshake with {host}:{port} timed out")
-        answer = conn.recv_bytes(64)
+        answer = _client_handshake(
+            conn, authkey, service, hello, timeout, f"{host}:{port}"
+        )
         _read_timeout(conn, None)  # the connection's own reads wait as long as needed
     except (BlockingIOError, TimeoutError) as e:
         conn.close()

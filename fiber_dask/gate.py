@@ -19,12 +19,16 @@ What an unauthenticated peer can cost, and no more:
   the end of the handshake — bytes, frames and the TLS handshake alike; a
   peer that sends a partial frame (or a byte at a time) does not extend it;
 * **a bound per peer address**: at most :data:`MAX_PER_PEER` handshakes
-  older than :data:`MIN_AGE` from one host (a burst of real clients from one
-  big host is let in; the idle ones beyond the bound are closed, oldest
-  first), and :data:`MAX_PENDING` in all (a new connection beyond it closes
-  the oldest).  A real client, whose handshake takes a few round trips, so
-  always gets in while stalled sockets are dropped: an attacker would have
-  to keep opening connections faster than a handshake completes;
+  older than :data:`MIN_AGE` from one host whose peer has not proved it
+  knows the authkey yet (a burst of real clients from one big host is let
+  in; the idle ones beyond the bound are closed, oldest first), and
+  :data:`MAX_PENDING` in all (a new connection beyond it closes the oldest).
+  A real client proves the key in one round trip, so it always gets in while
+  stalled sockets are dropped: an attacker would have to keep opening
+  connections faster than a round trip.  A handshake that yields
+  :data:`AUTHENTICATED` (its peer proved the key) no longer counts against
+  the bound — a thousand pool loops of one host finishing their handshakes
+  together are not stalled peers (issue 15) — but keeps its deadline;
 * **frames of at most 256 bytes** before authentication, and nothing is
   unpickled before it;
 * **no thread, no blocking call**: the accept loop never waits for a peer, so
@@ -32,9 +36,10 @@ What an unauthenticated peer can cost, and no more:
 * **a quiet log**: rejected and dropped connections are logged once per peer
   address per :data:`LOG_INTERVAL`, with a count of the others.
 
-A handshake is a generator (the sans-I/O style): it yields ``bytes`` to send
-and an ``int`` to receive exactly that many bytes of the (decrypted) stream,
-and returns its result, or raises to reject the peer.  :func:`recv_frame` and
+A handshake is a generator (the sans-I/O style): it yields ``bytes`` to send,
+an ``int`` to receive exactly that many bytes of the (decrypted) stream, or
+:data:`AUTHENTICATED` once the peer has proved it knows the authkey, and
+returns its result, or raises to reject the peer.  :func:`recv_frame` and
 :func:`frame` do the ``multiprocessing.connection`` framing.  TLS (when a
 listener has a context) is run by the gate around it: the clear-text
 :data:`fiber_dask.tls.HELLO` frame, the TLS handshake, then the generator
@@ -61,6 +66,7 @@ from typing import Any, Callable, Generator
 from . import tls
 
 __all__ = [
+    "AUTHENTICATED",
     "HANDSHAKE_TIMEOUT",
     "LOG_INTERVAL",
     "MAX_PENDING",
@@ -91,6 +97,10 @@ SMALL_FRAME = 256
 
 Handshake = Generator[Any, Any, Any]
 
+#: What a handshake yields once its peer has proved it knows the authkey:
+#: from then on the handshake no longer counts against :data:`MAX_PER_PEER`.
+AUTHENTICATED = object()
+
 
 class Refused(Exception):
     """Raised by a handshake to end a connection without a warning in the log
@@ -119,14 +129,23 @@ def recv_frame(maxlength: int = SMALL_FRAME) -> Handshake:
 
 
 class _Listener:
-    __slots__ = ("sock", "handshake", "on_ready", "context", "tune", "paused_until")
+    __slots__ = (
+        "sock",
+        "handshake",
+        "on_ready",
+        "context",
+        "tune",
+        "inline",
+        "paused_until",
+    )
 
-    def __init__(self, sock, handshake, on_ready, context, tune) -> None:
+    def __init__(self, sock, handshake, on_ready, context, tune, inline) -> None:
         self.sock = sock
         self.handshake = handshake
         self.on_ready = on_ready
         self.context = context
         self.tune = tune
+        self.inline = inline
         self.paused_until = 0.0
 
 
@@ -254,14 +273,21 @@ class Gate:
         on_ready: Callable[[Any, Any], None],
         context: Any = None,
         tune: Callable[[socket.socket], None] | None = None,
+        inline: Callable[[Any], bool] | None = None,
     ) -> None:
         """Accept connections on the listening ``sock``: each runs
         ``handshake()`` (inside TLS with ``context``), then
         ``on_ready(connection, result)`` in a new thread, the connection a
         blocking ``Connection`` or :class:`~fiber_dask.tls.TLSConnection`.
-        ``tune(sock)`` sets the options of each accepted TCP socket."""
+        ``tune(sock)`` sets the options of each accepted TCP socket.
+
+        ``inline(result)`` true: ``on_ready`` is quick and never blocks (it
+        hands the connection on, e.g. to a queue), so the gate runs it on its
+        own thread.  A thread per connection costs the gate a thread start
+        (the gate waits until the thread runs: milliseconds on a loaded
+        host), which capped a thousand pool loops' connects (issue 15)."""
         sock.setblocking(False)
-        listener = _Listener(sock, handshake, on_ready, context, tune)
+        listener = _Listener(sock, handshake, on_ready, context, tune, inline)
         self._command(("listen", listener))
 
     def close_listener(self, sock: socket.socket) -> None:
@@ -430,6 +456,9 @@ class Gate:
                 value = self._read(p)
                 if value is None:
                     return  # wait for the socket
+            elif action is AUTHENTICATED:
+                self._trusted(p)
+                value = None
             else:
                 self._send(p, action)
                 value = None
@@ -575,6 +604,15 @@ class Gate:
                 p, f"the handshake did not complete within {HANDSHAKE_TIMEOUT:g} s"
             )
 
+    def _trusted(self, p: _Pending) -> None:
+        """``p``'s peer proved the key: it leaves its address's bound."""
+        mine = self._by_peer.get(p.peer)
+        if mine is not None:
+            mine.pop(p.sock.fileno(), None)
+            if not mine:
+                del self._by_peer[p.peer]
+        self.stats["trusted"] += 1
+
     def _remove(self, p: _Pending) -> None:
         fd = p.sock.fileno()
         self._pending.pop(fd, None)
@@ -620,6 +658,10 @@ class Gate:
                 conn = Connection(sock.detach())
         except OSError:
             sock.close()
+            return
+        inline = p.listener.inline
+        if not out and inline is not None and inline(result):
+            _serve(p.listener.on_ready, conn, out, result)
             return
         threading.Thread(
             target=_serve,

@@ -331,6 +331,13 @@ class PoolEngine:
         )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full buffer: a wake-up is pending
+        #: Connections the gate handed over, for the result thread to take in
+        #: (_take_connections); guarded by _incoming_lock, never _lock, so the
+        #: gate's thread never waits for the result thread.
+        self._incoming: collections.deque = collections.deque()
+        self._incoming_lock = threading.Lock()
+        self._incoming_closed = False
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._loop_numbers = itertools.count()
@@ -341,8 +348,12 @@ class PoolEngine:
 
     def start(self) -> None:
         """Claim the slots, submit the loops and start the result thread."""
+        # Inline: run on the gate's thread, it only queues the connection for
+        # the result thread (no thread started per loop that connects).
         self._server.register(
-            self._service, functools.partial(_on_connect, weakref.ref(self))
+            self._service,
+            functools.partial(_on_connect, weakref.ref(self)),
+            inline=True,
         )
         self._claim = cluster.claim_slots(self._handle, self.processes)
         self.state = RUN
@@ -635,6 +646,24 @@ class PoolEngine:
             self._wake_w.send(b"x")
         except OSError:
             pass
+
+    def _queue_connection(self, conn, hello) -> None:
+        """On the gate's thread: queue a loop's new connection for the result
+        thread, which takes it in at its next turn (it is woken)."""
+        with self._incoming_lock:
+            if not self._incoming_closed:
+                self._incoming.append((conn, hello))
+                conn = None
+        if conn is not None:
+            channel.hangup(conn)
+        else:
+            self._wake()
+
+    def _take_connections(self) -> None:
+        """On the result thread: take in the connections the gate queued."""
+        while self._incoming:
+            conn, hello = self._incoming.popleft()
+            self._on_connect(conn, hello)
 
     def _on_connect(self, conn, hello) -> None:
         with self._lock:
@@ -948,6 +977,7 @@ class PoolEngine:
 
     def _maintain(self) -> None:
         """Replace loops that ended while work remains; fail if none can start."""
+        self._take_connections()
         replace: list[int] = []  # slot positions, submitted together below
         while self._loop_done:
             if self._client.status == "connecting" and self.state != TERMINATE:
@@ -1080,6 +1110,10 @@ class PoolEngine:
                 return
             self._released = True
             peers = list(self._peers.values())
+            with self._incoming_lock:
+                self._incoming_closed = True
+                peers += [_Peer(conn, hello or {}) for conn, hello in self._incoming]
+                self._incoming.clear()
             self._peers.clear()
             self._peer_at.clear()
             self._load_index.clear()
@@ -1132,7 +1166,7 @@ def _on_connect(ref, conn, hello) -> None:
     if engine is None:
         channel.hangup(conn)
         return
-    engine._on_connect(conn, hello)
+    engine._queue_connection(conn, hello)
 
 
 def _send_quietly(peer: _Peer, msg: bytes) -> None:

@@ -28,6 +28,7 @@ own result sends), and so TERMINATE can interrupt a running task.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
@@ -35,7 +36,7 @@ import queue
 import threading
 import time
 from multiprocessing.pool import MaybeEncodingError
-from typing import Any
+from typing import Any, Iterator
 
 from . import channel
 from . import poolprotocol as proto
@@ -173,9 +174,11 @@ class _Loop:
 #: Handshakes with the owner one process runs at once.  Thread slots put
 #: a hundred loops in one worker process; dialling all at once only makes
 #: each handshake slower (they share one GIL), and the owner's gate drops
-#: handshakes from one address beyond ``gate.MAX_PER_PEER`` that take over
-#: ``gate.MIN_AGE`` (issue 15: a 1024-slot pool lost loops that way).
-_DIAL_AT_ONCE = 4
+#: handshakes from one address beyond ``gate.MAX_PER_PEER`` whose peer has
+#: not proved the key within ``gate.MIN_AGE`` (one round trip).  At 4 a
+#: 1024-slot pool's loops waited here for most of its start-up (issue 15:
+#: 10-23 s of 11-23 s); at 16, 8 processes put at most 128 into the gate.
+_DIAL_AT_ONCE = 16
 _dialling = threading.BoundedSemaphore(_DIAL_AT_ONCE)
 #: Seconds a loop keeps retrying a handshake the owner dropped (a crowded
 #: gate), with a jittered backoff from 50 ms up to 1 s between attempts.
@@ -292,16 +295,46 @@ def run_pool_worker(
         from .slots import keep
 
         return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
-    return serve_slot(
-        address,
-        authkey,
-        service,
-        slot,
-        init_blob,
-        maxtasks,
-        kill_after,
-        getattr(worker, "address", None),
-    )
+    with _unprofiled(worker):
+        return serve_slot(
+            address,
+            authkey,
+            service,
+            slot,
+            init_blob,
+            maxtasks,
+            kill_after,
+            getattr(worker, "address", None),
+        )
+
+
+@contextlib.contextmanager
+def _unprofiled(worker: Any) -> Iterator[None]:
+    """Keep this thread out of the Dask worker's sampling profiler while it
+    serves a slot.
+
+    The profiler (``distributed.worker.profile``, every 10 ms) walks the stack
+    of every thread running a task, in the worker's event loop: with a
+    hundred thread slots per worker that is a hundred stacks every 10 ms,
+    holding the GIL the slots' handshakes and tasks need (issue 15).  Slot
+    processes never run in the worker, so this is for thread slots only.
+    The worker removes the entry itself when the task ends: it is put back
+    first.
+    """
+    threads = getattr(worker, "active_threads", None)
+    lock = getattr(worker, "active_threads_lock", None)
+    ident = threading.get_ident()
+    if not isinstance(threads, dict) or lock is None:
+        yield
+        return
+    with lock:
+        key = threads.pop(ident, None)
+    try:
+        yield
+    finally:
+        if key is not None:
+            with lock:
+                threads[ident] = key
 
 
 def serve_slot(

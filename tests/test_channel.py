@@ -214,6 +214,45 @@ def test_stalled_peers_of_one_address_are_bounded_and_cannot_lock_out(monkeypatc
         s.close()
 
 
+def test_peers_that_proved_the_key_leave_their_address_bound(monkeypatch):
+    """The bound on stalled handshakes per address counts only peers that have
+    not proved the authkey: many real clients of one host (a thousand pool
+    slots connecting at once) past their first answer are not dropped as
+    stalled, while as many silent sockets from the same address are; a
+    proven peer that stalls still meets the whole-handshake deadline."""
+    monkeypatch.setattr(gate, "MAX_PER_PEER", 4)
+    monkeypatch.setattr(gate, "MIN_AGE", 0.1)
+    monkeypatch.setattr(gate, "HANDSHAKE_TIMEOUT", 4.0)
+    g = gate.get_gate()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    proven, silent = [], []
+    try:
+        trusted, evicted = g.stats["trusted"], g.stats["evicted-peer"]
+        for _ in range(10):
+            sock = socket.create_connection(s.address)
+            challenge = _read_challenge(sock)[len(channel._CHALLENGE) :]
+            sock.sendall(gate.frame(channel._digest(b"right-key", challenge)))
+            proven.append(sock)  # ... and then says nothing more
+        wait_until(
+            lambda: g.stats["trusted"] >= trusted + 10, 5, "10 peers to prove the key"
+        )
+        for _ in range(10):
+            silent.append(socket.create_connection(s.address))
+        wait_until(
+            lambda: g.stats["evicted-peer"] >= evicted + 6,
+            5,
+            "the silent sockets beyond the bound to be dropped",
+        )
+        assert g.stats["evicted-peer"] == evicted + 6  # none of the proven ones
+        assert not any(_closed_by_server(sock, 0.05) for sock in proven)
+        # The deadline still holds for them.
+        assert all(_closed_by_server(sock, 6) for sock in proven)
+    finally:
+        for sock in proven + silent:
+            sock.close()
+        s.close()
+
+
 def test_rejections_are_logged_once_per_address_and_interval(monkeypatch, caplog):
     """A flood of bad peers costs one log line per address per interval,
     then one line with the count of the others."""

@@ -40,6 +40,15 @@ class LocalBackend(Backend):
             # for an idle 2-worker cluster, taken from the pool's tasks on the
             # same cores; at 200 ms, 0.04 (benchmarks/RESULTS.md, issue 12).
             tick = {"distributed.admin.tick.interval": "200ms"}
+        if dask.config.get("distributed.admin.system-monitor.interval") == "500ms":
+            # Every Dask server keeps a SystemMonitor (CPU, memory, open
+            # descriptors, for the dashboard); the scheduler and the nannies
+            # all run in this process, so each counts *our* descriptors, one
+            # per pool slot: with a 1024-slot pool open, 9 monitors listing
+            # 1,000+ descriptors twice a second took ~25 % of a core and the
+            # GIL from the pool's threads (issue 15).  Every 2 s instead.
+            tick = {**tick, "distributed.admin.system-monitor.interval": "2s"}
+        if tick:
             extra["config"] = tick  # the worker processes (and adaptive ones)
         early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
