@@ -60,7 +60,7 @@ from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from .poolelastic import Elastic
 from .poolresults import MapResult, measured_chunksize
-from .poolworker import run_pool_worker
+from .slottask import run_pool_worker
 
 __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
 

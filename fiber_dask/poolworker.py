@@ -1,13 +1,13 @@
 """The pool-worker loop: the code that runs Pool chunks, next to a Dask worker.
 
 Dask places one loop per pool slot (the long-running task
-:func:`run_pool_worker`) and re-runs a loop whose worker died.  The loop
+:func:`fiber_dask.slottask.run_pool_worker`) and re-runs a loop whose worker died.  The loop
 connects back to the pool's owner over the direct channel and then only moves
 bytes: no scheduler round trip per task.  The messages are those of
 :mod:`fiber_dask.poolprotocol`, which both ends share.
 
 With ``fiber.pool.slots: process`` (the default) the Dask task is only the
-slot's *keeper*: :func:`run_pool_worker` hands the loop (:func:`serve_slot`)
+slot's *keeper*: it hands the loop (:func:`serve_slot`)
 to a slot process of its own and waits for it (see :mod:`fiber_dask.slots`);
 with ``thread`` the Dask task thread runs :func:`serve_slot` itself.
 
@@ -28,7 +28,6 @@ own result sends), and so TERMINATE can interrupt a running task.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import pickle
@@ -36,13 +35,13 @@ import queue
 import threading
 import time
 from multiprocessing.pool import MaybeEncodingError
-from typing import Any, Iterator
+from typing import Any
 
 from . import channel
 from . import poolprotocol as proto
 from .mainglobals import MainNamespace
 
-__all__ = ["run_pool_worker", "serve_slot", "connect_to_owner", "serve"]
+__all__ = ["serve_slot", "connect_to_owner", "serve"]
 
 
 class _Terminated(BaseException):
@@ -260,81 +259,6 @@ def serve(
         return proto.Reason.TERMINATED
     finally:
         channel.hangup(conn)
-
-
-def run_pool_worker(
-    address: tuple[str, int],
-    authkey: bytes,
-    service: str,
-    slot: int,
-    init_blob: bytes | None,
-    maxtasks: int | None,
-    kill_after: float | None = None,
-    slots: str | None = None,
-) -> str:
-    """Body of one pool-slot Dask task.  Returns why it ended.
-
-    ``kill_after``: seconds after a terminate (or the owner's loss) at which a
-    task that has not stopped ends this process; None never does.
-    ``slots``: ``"process"`` (the task is a *keeper*: it holds the Dask slot
-    while a slot process of its own runs the loop, see :mod:`fiber_dask.slots`)
-    or ``"thread"`` (this Dask task thread runs the loop); None reads
-    ``fiber.pool.slots``.
-    """
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):
-        worker = None
-    if slots is None:
-        from . import config
-
-        slots = config.get("pool.slots")
-    if slots == "process":
-        from .slots import keep
-
-        return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
-    with _unprofiled(worker):
-        return serve_slot(
-            address,
-            authkey,
-            service,
-            slot,
-            init_blob,
-            maxtasks,
-            kill_after,
-            getattr(worker, "address", None),
-        )
-
-
-@contextlib.contextmanager
-def _unprofiled(worker: Any) -> Iterator[None]:
-    """Keep this thread out of the Dask worker's sampling profiler while it
-    serves a slot.
-
-    The profiler (``distributed.worker.profile``, every 10 ms) walks the stack
-    of every thread running a task, in the worker's event loop: with a
-    hundred thread slots per worker that is a hundred stacks every 10 ms,
-    holding the GIL the slots' handshakes and tasks need (issue 15).  Slot
-    processes never run in the worker, so this is for thread slots only.
-    The worker removes the entry itself when the task ends: it is put back
-    first.
-    """
-    threads = getattr(worker, "active_threads", None)
-    lock = getattr(worker, "active_threads_lock", None)
-    ident = threading.get_ident()
-    if not isinstance(threads, dict) or lock is None:
-        yield
-        return
-    with lock:
-        key = threads.pop(ident, None)
-    try:
-        yield
-    finally:
-        if key is not None:
-            with lock:
-                threads[ident] = key
 
 
 def serve_slot(

@@ -103,12 +103,13 @@ import dataclasses
 import logging
 import os
 import pickle
-import struct
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from .slotpipe import FrameReader, write_frame
 
 __all__ = [
     "SlotSpec",
@@ -127,45 +128,6 @@ logger = logging.getLogger(__name__)
 #: process harms nothing else, and the stdlib's ``terminate()`` does not wait
 #: at all.
 TERMINATE_GRACE = 0.3
-
-_HEADER = struct.Struct("!I")
-
-
-# ------------------------------------------------------------------- protocol
-
-
-def write_frame(fd: int, msg: tuple) -> None:
-    """Write one message to ``fd`` (blocking until all of it is written)."""
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-class FrameReader:
-    """Split the bytes read from a pipe into messages."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = bytearray()
-
-    def read(self) -> list[tuple] | None:
-        """Read what is available (one ``os.read``); None at EOF."""
-        data = os.read(self.fd, 1 << 16)
-        if not data:
-            return None
-        self.buf += data
-        out = []
-        while len(self.buf) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self.buf)
-            if len(self.buf) < _HEADER.size + size:
-                break
-            out.append(
-                pickle.loads(bytes(self.buf[_HEADER.size : _HEADER.size + size]))
-            )
-            del self.buf[: _HEADER.size + size]
-        return out
 
 
 @dataclasses.dataclass

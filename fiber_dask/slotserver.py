@@ -51,7 +51,6 @@ def _preload() -> None:
     import fiber_dask.poolworker  # noqa: F401
     import fiber_dask.process  # noqa: F401
     import fiber_dask.processchild  # noqa: F401
-    import fiber_dask.slots  # noqa: F401
     import fiber_dask.swap  # noqa: F401
 
     # The first getaddrinfo() on a str host imports the idna codec and compiles
@@ -84,7 +83,7 @@ class _Server:
     """The template's state: its slot processes, its spare, its pipes."""
 
     def __init__(self, request_fd: int, report_fd: int, sig_r: int, sig_w: int):
-        from fiber_dask.slots import write_frame
+        from fiber_dask.slotpipe import write_frame
 
         self.write_frame = write_frame
         self.report_fd = report_fd
@@ -243,7 +242,7 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     os.close(devnull)
     _preload()
 
-    from fiber_dask.slots import FrameReader
+    from fiber_dask.slotpipe import FrameReader
 
     # SIGCHLD wakes the select through the wakeup fd, as in the stdlib's
     # forkserver: the template never blocks in waitpid.
