@@ -53,6 +53,22 @@ def test_es_benchmark_engines_agree(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_coldstart_benchmark_times_fresh_processes(tmp_path):
+    report, text = run_benchmark(
+        "coldstart.py",
+        *("--repeats", "1", "--engines", "fiber_dask,multiprocessing"),
+        tmp_path=tmp_path,
+    )
+    assert "| first result |" in text
+    for name in ("fiber_dask", "multiprocessing"):
+        got = report["engines"][name]
+        assert set(got) == {"import", "first result", "whole"}
+        # Each part of the process's life is inside the whole of it.
+        assert 0 < got["first result"][0] < got["whole"][0]
+        assert 0 < got["import"][0] < got["whole"][0]
+
+
+@pytest.mark.timeout(300)
 def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
     report, text = run_benchmark(
         "scaling.py",
