@@ -146,10 +146,20 @@ def _client_handshake(
             raise tls.required_error("the fiber-dask endpoint")
         raise AuthenticationError("peer did not speak the fiber-dask handshake")
     nonce = os.urandom(_NONCE)
-    conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
-    conn.send_bytes(_CHALLENGE + nonce)
-    conn.send_bytes(pickle.dumps((service, hello)))
-    if _recv_small(conn, timeout) != _WELCOME:
+    try:
+        conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
+        conn.send_bytes(_CHALLENGE + nonce)
+        conn.send_bytes(pickle.dumps((service, hello)))
+        verdict = _recv_small(conn, timeout)
+    except (EOFError, ConnectionError) as e:
+        # A server that rejects our digest closes the connection at once,
+        # possibly while the rest of the burst is still on its way: the send
+        # (or the read) then fails, instead of reading its verdict.
+        raise AuthenticationError(
+            "digest sent was rejected (wrong authkey?): the peer closed the "
+            f"connection during the handshake ({type(e).__name__})"
+        ) from None
+    if verdict != _WELCOME:
         raise AuthenticationError("digest sent was rejected (wrong authkey?)")
     if not hmac.compare_digest(_recv_small(conn, timeout), _digest(authkey, nonce)):
         raise AuthenticationError("digest received was wrong (wrong authkey?)")
