@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import html
 import logging
+import sys
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -121,10 +122,13 @@ class PoolsJSON(web.RequestHandler):
 
 
 def _bokeh_apps(scheduler: Any) -> list[Any]:
-    try:
-        from bokeh.server.server import BokehTornado
-    except ImportError:
+    # Not imported here: with bokeh not loaded there is no bokeh app, and
+    # importing it (~0.8 s) in the scheduler's start would delay the
+    # embedded cluster's workers (the dashboard comes later, connect_later).
+    server = sys.modules.get("bokeh.server.server")
+    if server is None:
         return []
+    BokehTornado = server.BokehTornado  # noqa: N806 - the class
     application = getattr(scheduler, "http_application", None)
     return [
         a
@@ -205,9 +209,10 @@ def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
     ``/fiber/pools.json``, ``/health`` and ``/metrics`` are served); only the
     bokeh pages come :data:`DASHBOARD_DELAY` s after the cluster is up.
     """
-    try:
-        import distributed.dashboard.core  # noqa: F401  (bokeh importable?)
-    except ImportError:
+    import importlib.util
+
+    # Whether bokeh is there, without importing it (that alone is ~0.8 s).
+    if importlib.util.find_spec("bokeh") is None:
         return scheduler_kwargs  # the scheduler says the dashboard is missing
     return {**scheduler_kwargs, "dashboard": False}
 
@@ -227,7 +232,8 @@ def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
     def build() -> None:
         try:
             import distributed.dashboard.scheduler  # noqa: F401
-        except ImportError:  # pragma: no cover - checked by defer()
+        except ImportError:  # a bokeh distributed does not support
+            logger.warning("fiber-dask: no dashboard", exc_info=True)
             return
         try:
             scheduler.loop.add_callback(attach)
