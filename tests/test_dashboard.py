@@ -179,9 +179,10 @@ def test_embedded_cluster_builds_its_bokeh_dashboard_after_it_is_up(fiber_ctx):
         except OSError:
             return False
 
+    assert dashboard.wait_built(scheduler, 60)
+    assert dashboard._bokeh_apps(scheduler)
     wait_until(lambda: served("/status"), 60, "distributed's /status page")
     wait_until(lambda: served("/fiber-pools"), 60, "the pools page")
-    assert dashboard._bokeh_apps(scheduler)
 
 
 def test_queued_in_flight_and_busy_while_items_wait(client, tmp_path):
