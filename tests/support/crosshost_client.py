@@ -25,6 +25,8 @@ import sys
 import time
 import traceback
 
+from wait import wait_until  # tests/support, this script's directory
+
 import fiber_dask as multiprocessing
 
 T0 = time.monotonic()
@@ -584,16 +586,19 @@ def wait_for_slot_on(pool, ip: str, timeout: float = 60.0) -> None:
         where = slot.worker or ""
         return where.rpartition("//")[2].rpartition(":")[0]
 
-    deadline = time.monotonic() + timeout
-    while not any(host(s) == ip for s in pool._pool):
-        if time.monotonic() > deadline:
-            check(
-                False,
-                "no pool slot came up on the host",
-                ip=ip,
-                slots=[s.worker for s in pool._pool],
-            )
-        time.sleep(0.05)
+    try:
+        wait_until(
+            lambda: any(host(s) == ip for s in pool._pool),
+            timeout,
+            f"a pool slot on the host {ip}",
+        )
+    except AssertionError:
+        check(
+            False,
+            "no pool slot came up on the host",
+            ip=ip,
+            slots=[s.worker for s in pool._pool],
+        )
 
 
 def _map_across(pool, n, host_of_interest, ask, stdin, ordered=True):
