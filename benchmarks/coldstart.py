@@ -14,7 +14,10 @@ round (A B C A B C ...):
 ``whole``          the process from start to exit, as ``time python script.py``.
 
 Engines: ``fiber_dask`` (process slots, the default), ``fiber_dask-thread``
-(``fiber.pool.slots: thread``) and ``multiprocessing`` (fork, Linux's default).
+(``fiber.pool.slots: thread``), ``fiber_dask-spawn`` (worker processes
+spawned, Dask's way, instead of forked from the preloaded server:
+``fiber.local.worker-start: spawn``) and ``multiprocessing`` (fork, Linux's
+default).
 Run from the repository root::
 
     python benchmarks/coldstart.py --repeats 7
@@ -61,13 +64,15 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-ENGINES = ("fiber_dask", "fiber_dask-thread", "multiprocessing")
+ENGINES = ("fiber_dask", "fiber_dask-thread", "fiber_dask-spawn", "multiprocessing")
 
 
 def run_once(engine: str, workers: int, script: str) -> dict[str, float]:
     env = dict(os.environ)
     if engine == "fiber_dask-thread":
         env["DASK_FIBER__POOL__SLOTS"] = "thread"
+    if engine == "fiber_dask-spawn":
+        env["DASK_FIBER__LOCAL__WORKER_START"] = "spawn"
     env["DASK_FIBER__LOCAL__N_WORKERS"] = str(workers)
     name = "multiprocessing" if engine == "multiprocessing" else "fiber_dask"
     t0 = time.perf_counter()

@@ -56,19 +56,31 @@ def pid_after(loops: int) -> int:
 
 
 def _role(p: psutil.Process, me: int) -> str:
+    """What a process of the tree is, from where it sits (forked processes
+    carry their parent's command line, so that alone cannot tell)."""
+    if p.pid == me:
+        return "driver"
     try:
         cmd = " ".join(p.cmdline())
         parent = p.parent()
-        parent_cmd = " ".join(parent.cmdline()) if parent else ""
     except psutil.Error:
         return "other"
-    if p.pid == me:
-        return "driver"
-    if "fiber_dask.slotserver" in cmd:
-        return "slot" if "fiber_dask.slotserver" in parent_cmd else "template"
-    if "spawn_main" in cmd:
-        return "dask worker"
-    return "pool worker"  # the stdlib's forked workers
+    if parent is None:
+        return "other"
+    if parent.pid == me:
+        if "spawn_main" in cmd:
+            return "dask worker"  # spawned by a nanny
+        if "workerstart import serve" in cmd:
+            return "worker server"  # fiber_dask.backends.workerstart
+        if "resource_tracker" in cmd:
+            return "other"
+        return "pool worker"  # the stdlib's forked workers
+    up = _role(parent, me)
+    return {
+        "worker server": "dask worker",
+        "dask worker": "template",
+        "template": "slot",
+    }.get(up, "other")
 
 
 def tree_cpu() -> dict[str, float]:

@@ -32,11 +32,23 @@ PROBE = (
         return os.getpid()
 
     def worker_processes():
-        # Dask's nanny starts each worker process with multiprocessing's spawn
-        n = 0
+        # Dask worker processes: spawned by a nanny (a child of this process
+        # running spawn_main), or forked by the embedded cluster's worker
+        # server (a child of that child).  Slot templates and slot processes
+        # are their children, not counted.
+        me, n = os.getpid(), 0
         for p in psutil.Process().children(recursive=True):
             try:
-                if "spawn_main" in " ".join(p.cmdline()) and p.status() != "zombie":
+                if p.status() == "zombie":
+                    continue
+                cmd, parent = " ".join(p.cmdline()), p.ppid()
+                if parent == me and "spawn_main" in cmd:
+                    n += 1
+                elif (
+                    "workerstart import serve" in cmd
+                    and parent != me
+                    and psutil.Process(parent).ppid() == me
+                ):
                     n += 1
             except psutil.Error:
                 pass

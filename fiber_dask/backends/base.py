@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 __all__ = ["Backend", "ClusterHandle", "connect"]
@@ -35,6 +35,9 @@ class ClusterHandle:
     #: For batch-job clusters (dask-jobqueue): lists the jobs, one dict each
     #: (``name``, ``id``, ``state``, ``workers``), for ``fiber-dask info``.
     jobs: Callable[[], list[dict[str, Any]]] | None = None
+    #: Called, in order, once :meth:`close` has closed the cluster (each must
+    #: return within a deadline of its own), e.g. to reap a helper process.
+    after_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self, timeout: float | None = None) -> None:
         """Close what fiber-dask opened; ``timeout`` bounds each close (at
@@ -44,12 +47,16 @@ class ClusterHandle:
             try:
                 self.client.close(**kw)
             finally:
-                if self.cluster is not None:
-                    _close_workers_first(self.cluster, timeout)
-                    try:
-                        self.cluster.close(**kw)
-                    except TypeError:  # a cluster class without timeout=
-                        self.cluster.close()
+                try:
+                    if self.cluster is not None:
+                        _close_workers_first(self.cluster, timeout)
+                        try:
+                            self.cluster.close(**kw)
+                        except TypeError:  # a cluster class without timeout=
+                            self.cluster.close()
+                finally:
+                    for fn in self.after_close:
+                        fn()
         # A client we attached to a cluster we did not start is left open for
         # its owner; a client we created ourselves is closed without touching
         # the scheduler.

@@ -23,6 +23,20 @@ class LocalBackend(Backend):
     name = "local"
 
     def start(self, *, address: str | None = None) -> ClusterHandle:
+        # First, before distributed is imported here: the process the worker
+        # processes are forked from imports it on the other core meanwhile
+        # (fiber_dask.backends.workerstart; None = spawn them, Dask's way).
+        from . import workerstart
+
+        fork_server = workerstart.start()
+        try:
+            return self._start(fork_server)
+        except BaseException:
+            if fork_server is not None:
+                fork_server.stop()
+            raise
+
+    def _start(self, fork_server: Any) -> ClusterHandle:
         from distributed import Client, LocalCluster
 
         n_workers = config.get("local.n-workers") or os.cpu_count() or 1
@@ -71,6 +85,10 @@ class LocalBackend(Backend):
         if show_dashboard:
             # Built once the cluster is up, not before its workers start.
             extra["scheduler_kwargs"] = dashboard.defer(extra["scheduler_kwargs"])
+        if fork_server is not None:
+            from .workerstart import nanny_class
+
+            extra["worker_class"] = nanny_class(fork_server)
         with early, dask.config.set(tick):  # tick: the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,
@@ -108,6 +126,8 @@ class LocalBackend(Backend):
             listen_host=host,
             planned_slots=(maximum if adaptive else n_workers) * threads,
         )
+        if fork_server is not None:
+            handle.after_close.append(fork_server.stop)
         if not adaptive:
             handle.grow = _Grower(handle, cluster, threads)
         return handle

@@ -1,0 +1,457 @@
+"""How the embedded cluster starts its Dask worker processes: forked from one
+preloaded process (``fiber.local.worker-start: forkserver``, the default).
+
+Dask's nannies start each worker process with multiprocessing's ``spawn``: a
+fresh interpreter that imports the user's main module, fiber_dask with dask
+(~0.3 s here) and distributed (~0.45 s, numpy included) before it can register.
+On the 2-core machine the first ``Pool(2)`` paid that twice, at the same time
+as the owner imported distributed itself: 1.2 of its 1.9 s to the first result
+(benchmarks/RESULTS.md, cold start).
+
+Here, as the embedded cluster starts, one process is started with the same
+interpreter, environment and ``sys.path`` a spawned worker gets, and it imports
+what a worker needs (the main module as ``__mp_main__``, fiber_dask,
+distributed's worker and nanny) once, on the other core, while the owner
+imports distributed.  Every worker process — the first ones, those a grown or
+adaptive cluster adds, and those a nanny restarts — is then a fork of it
+(multiprocessing's forkserver protocol, the stdlib's own server loop), ~10 ms
+instead of ~0.8 s of imports.  What a child gets is what a spawned one gets:
+
+* a fresh interpreter's state, never the owner's: the server is not a fork of
+  the owner (which may run threads, an OpenMP pool or CUDA at that point, which
+  a fork would break), and it imports nothing the owner has set up;
+* the owner's environment at the moment the nanny starts it (``os.environ`` is
+  carried with the process object and set first thing in the child, so a
+  nanny's ``pre-spawn-environ`` and fiber-dask's own variables arrive as with
+  spawn); variables read only at interpreter start or at an import (the hash
+  seed, ``OMP_NUM_THREADS`` for numpy's BLAS) come from the server's
+  environment, which is the owner's plus Dask's ``distributed.nanny.pre-spawn-
+  environ``, exactly what a nanny would have spawned with;
+* the pool-slot template forked first thing, while the child is single-threaded
+  (:func:`fiber_dask.slots.start_early`), as a spawned worker does after its
+  imports.
+
+Only the embedded cluster's nannies use it (:class:`Nanny` marks its own
+process starts; any other ``distributed`` process start in this interpreter
+keeps Dask's method).  It is not used when ``distributed.worker.multiprocessing-
+method`` is set to something other than ``spawn``, nor with
+``fiber.local.worker-start: spawn``.  If the server cannot be started or dies,
+a worker is spawned instead, and a later start tries a fresh server.
+
+The server lives while the owner or any of its workers does (the stdlib's
+"alive" pipe: a SIGKILLed owner takes its nannies, whose workers then exit,
+and with them the server), and is stopped and reaped, with a deadline, when
+the cluster closes (:meth:`WorkerForkServer.stop`).  No ``PR_SET_PDEATHSIG``:
+a server killed under running workers would make every nanny read its
+worker's exit as 255 and start a second one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import logging
+import os
+import socket
+import sys
+import threading
+from multiprocessing import (
+    connection,
+    context,
+    forkserver,
+    popen_forkserver,
+    resource_tracker,
+    spawn,
+    util,
+)
+from typing import Any
+
+__all__ = ["WorkerForkServer", "nanny_class", "start", "PRELOAD"]
+
+logger = logging.getLogger(__name__)
+
+#: What the server imports before it serves (after the main module): what a
+#: Dask worker process started by a nanny imports before it registers.
+PRELOAD = [
+    "fiber_dask",
+    "fiber_dask.slots",
+    "fiber_dask.slottask",
+    "cloudpickle",
+    "distributed",
+    "distributed.nanny",
+    "distributed.worker",
+    "distributed.process",
+]
+
+#: Seconds :meth:`WorkerForkServer.stop` waits for the server to exit once its
+#: workers are gone, before it kills it.
+STOP_GRACE = 2.0
+
+# The server the nanny starting a process now belongs to (set by Nanny.instantiate).
+_current: contextvars.ContextVar[WorkerForkServer | None] = contextvars.ContextVar(
+    "fiber_dask_worker_fork_server", default=None
+)
+
+
+class WorkerForkServer(forkserver.ForkServer):
+    """A forkserver of our own (not the stdlib's process-wide one), started as a
+    fresh interpreter with :data:`PRELOAD` imported and a spawned worker's
+    environment."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__()
+        self.env = env
+        self.failed = False
+        self._proc: Any = None
+        self.context = _Context(self)
+
+    def alive(self) -> bool:
+        """Whether the server can take a request now (or will start on one)."""
+        return not self.failed
+
+    def ensure_running(self) -> None:
+        """Start the server if it is not running (as the stdlib's, but with our
+        command, environment and preloads); returns at once, before the server
+        has imported anything: requests wait in its listen queue."""
+        import subprocess
+
+        with self._lock:
+            if self.failed:
+                raise OSError("the worker fork server was stopped or failed")
+            resource_tracker.ensure_running()
+            if self._proc is not None:
+                if self._proc.poll() is None:
+                    return
+                os.close(self._forkserver_alive_fd)
+                self._forkserver_address = None
+                self._forkserver_alive_fd = None
+                self._forkserver_pid = self._proc = None
+            prep = spawn.get_preparation_data("ignore")
+            main = {
+                k: v
+                for k, v in prep.items()
+                if k in ("init_main_from_path", "init_main_from_name")
+            }
+            with socket.socket(socket.AF_UNIX) as listener:
+                address = connection.arbitrary_address("AF_UNIX")
+                listener.bind(address)
+                if not util.is_abstract_socket_namespace(address):
+                    os.chmod(address, 0o600)
+                listener.listen()
+                # Every client (the owner, each worker) holds the write end of
+                # the "alive" pipe: the server exits when all have closed it.
+                alive_r, alive_w = os.pipe()
+                try:
+                    cmd = (
+                        "from fiber_dask.backends.workerstart import serve; "
+                        f"serve({listener.fileno()}, {alive_r}, "
+                        f"{PRELOAD!r}, {main!r}, {prep.get('sys_path')!r})"
+                    )
+                    args = [
+                        spawn.get_executable(),
+                        *util._args_from_interpreter_flags(),
+                        "-c",
+                        cmd,
+                    ]
+                    proc = subprocess.Popen(
+                        args,
+                        pass_fds=(listener.fileno(), alive_r),
+                        env={**os.environ, **self.env},
+                        close_fds=True,
+                    )
+                except BaseException:
+                    os.close(alive_w)
+                    raise
+                finally:
+                    os.close(alive_r)
+            self._forkserver_address = address
+            self._forkserver_alive_fd = alive_w
+            self._forkserver_pid = proc.pid
+            self._proc = proc
+
+    def stop(self, timeout: float = STOP_GRACE) -> None:
+        """Tell the server to exit (it does once the workers forked from it are
+        gone) and reap it; kill it after ``timeout`` seconds.  Never blocks
+        longer."""
+        import subprocess
+
+        with self._lock:
+            proc, fd, address = (
+                self._proc,
+                self._forkserver_alive_fd,
+                self._forkserver_address,
+            )
+            self._forkserver_pid = self._forkserver_alive_fd = None
+            self._forkserver_address = self._proc = None
+            self.failed = True  # no new starts through a stopped server
+        if fd is not None:
+            os.close(fd)
+        if address and not util.is_abstract_socket_namespace(address):
+            try:
+                os.unlink(address)
+            except OSError:
+                pass
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs."""
+        return self._forkserver_pid
+
+
+def serve(
+    listener_fd: int,
+    alive_r: int,
+    preload: list[str],
+    main: dict[str, Any],
+    sys_path: list[str] | None = None,
+) -> None:
+    """The server process: import the main module as a spawned child would
+    (``main``: its ``init_main_from_path`` or ``init_main_from_name``) and
+    ``preload``, then run the stdlib's forkserver loop.
+
+    It exits instead, quietly, if that fails or leaves a thread running (a
+    fork would lose the thread, or inherit a lock it holds): the owner then
+    spawns its workers, which show the real error, if any, as before.  Never an
+    interpreter shutdown of its own (the owner's at-exit handlers are not its).
+    """
+    code = 0
+    try:
+        if sys_path is not None:
+            sys.path[:] = sys_path
+        try:
+            _preload(main, preload)
+        except BaseException:  # noqa: BLE001 - the spawned workers report it
+            code = 3
+            return
+        if len(os.listdir("/proc/self/task")) != 1:
+            code = 4
+            return
+        forkserver.main(listener_fd, alive_r, [], None, None)
+    finally:
+        os._exit(code)
+
+
+def _preload(main: dict[str, Any], preload: list[str]) -> None:
+    from multiprocessing import process
+
+    process.current_process()._inheriting = True  # as spawn.prepare() runs it
+    try:
+        if "init_main_from_name" in main:
+            spawn._fixup_main_from_name(main["init_main_from_name"])
+        elif "init_main_from_path" in main:
+            spawn._fixup_main_from_path(main["init_main_from_path"])
+    finally:
+        del process.current_process()._inheriting
+    for name in preload:
+        __import__(name)
+
+
+class _Popen(popen_forkserver.Popen):
+    """The stdlib's forkserver ``Popen`` asking our server, not the global one."""
+
+    server: WorkerForkServer
+
+    def __init__(self, process_obj: Any, server: WorkerForkServer) -> None:
+        self.server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            context.reduction.dump(prep_data, buf)
+            context.reduction.dump(process_obj, buf)
+        finally:
+            context.set_spawning_popen(None)
+        self.sentinel, w = self.server.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _Process(context.ForkServerProcess):
+    """A worker process forked by a :class:`WorkerForkServer`; falls back to
+    spawn when the server cannot fork it."""
+
+    _server: WorkerForkServer | None = None
+    _environ: dict[str, str] | None = None
+
+    def start(self) -> None:
+        # The owner's environment now, as a spawned child would inherit it.
+        self._environ = dict(os.environ)
+        super().start()
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        server = process_obj._server
+        if server is not None and server.alive():
+            try:
+                return _Popen(process_obj, server)
+            except (OSError, EOFError) as e:
+                server.stop()  # reaped now; the next starts spawn too
+                # The server died (say, the main module failed to import in
+                # it): spawn this one and the ones after it.
+                logger.info(
+                    "fiber-dask: no worker fork server (%s): it could not "
+                    "import the main module, or that started a thread; "
+                    "spawning worker processes instead",
+                    e,
+                )
+        from multiprocessing import popen_spawn_posix
+
+        return popen_spawn_posix.Popen(process_obj)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_server", None)  # the owner's handle stays with the owner
+        return state
+
+    def run(self) -> None:
+        if self._environ is not None:
+            os.environ.clear()
+            os.environ.update(self._environ)
+        # Every worker a fork of one server: ``random`` reseeds itself after a
+        # fork, numpy's global generator does not (spawned workers each had
+        # their own seed from the OS).
+        np = sys.modules.get("numpy")
+        if np is not None:
+            try:
+                np.random.seed()
+            except Exception:  # noqa: BLE001 - a numpy without it
+                pass
+        from .. import config, slots
+
+        if config.get("pool.slots") == "process":
+            # Single-threaded still: fork the pool-slot template now, also in
+            # the workers an adaptive or grown cluster adds later.
+            os.environ[slots.EARLY_ENV] = "1"
+            slots.start_early()
+        super().run()
+
+
+class _Context(context.ForkServerContext):
+    """A multiprocessing context whose processes come from one server."""
+
+    def __init__(self, server: WorkerForkServer) -> None:
+        self.server = server
+
+    def Process(self, *args: Any, **kwargs: Any) -> _Process:  # noqa: N802
+        """A process of this server (``ctx.Process(...)`` as distributed calls it)."""
+        p = _Process(*args, **kwargs)
+        p._server = self.server
+        return p
+
+    def get_context(self, method: str | None = None) -> Any:
+        return self if method is None else super().get_context(method)
+
+
+def _spawn_env() -> dict[str, str]:
+    """What a nanny sets before it spawns (``distributed.nanny.pre-spawn-environ``,
+    with its ``PYTHONHASHSEED`` rule), read without importing distributed."""
+    import dask
+    import yaml
+
+    defaults: dict = {}
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("distributed")
+        if spec is not None and spec.origin:
+            path = os.path.join(os.path.dirname(spec.origin), "distributed.yaml")
+            with open(path) as f:
+                defaults = yaml.safe_load(f)["distributed"]["nanny"][
+                    "pre-spawn-environ"
+                ]
+    except (OSError, KeyError, TypeError, ValueError):
+        defaults = {}
+    env = {
+        **(defaults or {}),
+        **(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}),
+    }
+    env = {str(k): str(v) for k, v in env.items()}
+    if env.get("PYTHONHASHSEED") in (None, "0"):
+        env["PYTHONHASHSEED"] = "6640"  # distributed.nanny's choice
+    return env
+
+
+def start() -> WorkerForkServer | None:
+    """Start a server for the embedded cluster's workers now, or None where
+    workers should be spawned (configured so, or it cannot start)."""
+    import dask
+
+    from .. import config
+
+    if config.get("local.worker-start") != "forkserver":
+        return None
+    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") != "spawn":
+        return None  # the user chose Dask's method; keep it
+    if not hasattr(socket, "AF_UNIX") or not context.reduction.HAVE_SEND_HANDLE:
+        return None
+    try:
+        server = WorkerForkServer(_spawn_env())
+        server.ensure_running()
+    except (OSError, ValueError) as e:
+        logger.warning(
+            "fiber-dask: cannot start the worker fork server (%s); spawning workers", e
+        )
+        return None
+    return server
+
+
+class _NannyMixin:
+    """What :class:`Nanny` adds: its process starts use its server."""
+
+    fork_server: WorkerForkServer | None = None
+
+    async def instantiate(self) -> Any:
+        token = _current.set(self.fork_server)
+        try:
+            return await super().instantiate()  # type: ignore[misc]
+        finally:
+            _current.reset(token)
+
+
+def _get_mp_context_for(original: Any) -> Any:
+    def get_mp_context() -> Any:
+        server = _current.get()
+        if server is not None and server.alive():
+            return server.context
+        return original()
+
+    get_mp_context.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_mp_context
+
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def nanny_class(server: WorkerForkServer) -> type:
+    """A ``distributed.Nanny`` whose worker processes ``server`` forks."""
+    global _installed
+    import distributed.nanny
+    import distributed.process
+
+    with _install_lock:
+        if not _installed:
+            # distributed asks get_mp_context() for the Process, Pipe and
+            # Queue of a worker start (nanny.WorkerProcess.start and
+            # process.AsyncProcess); ours answers with the server's context
+            # only inside a Nanny below's instantiate(), else Dask's own.
+            for mod in (distributed.nanny, distributed.process):
+                mod.get_mp_context = _get_mp_context_for(mod.get_mp_context)
+            _installed = True
+
+    return type(
+        "Nanny", (_NannyMixin, distributed.nanny.Nanny), {"fork_server": server}
+    )
