@@ -150,7 +150,7 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
         r".*", [(prefix + JSON_PATH, PoolsJSON, {"store": plugin.store})]
     )
     if not dashboards:
-        if getattr(scheduler, _DEFERRED, False):
+        if getattr(scheduler, _DEFERRED, False) or _deferring:
             return  # the page comes with the dashboard (connect_later)
         logger.info(
             "fiber-dask: the scheduler shows no bokeh dashboard (bokeh missing or "
@@ -196,6 +196,11 @@ _DEFERRED = "_fiber_dask_dashboard_deferred"
 #: The :class:`threading.Event` on such a scheduler, set once it is built.
 _BUILT = "_fiber_dask_dashboard_built"
 
+#: Schedulers :func:`defer` has set up whose :func:`connect_later` has not run
+#: yet: the pools plugin starts inside ``Scheduler.__init__``, before the
+#: scheduler can be marked, and must not log that there is no dashboard.
+_deferring = 0
+
 #: Seconds from the embedded cluster being up to building its dashboard.
 DASHBOARD_DELAY = 1.0
 
@@ -218,6 +223,8 @@ def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
     # Whether bokeh is there, without importing it (that alone is ~0.8 s).
     if importlib.util.find_spec("bokeh") is None:
         return scheduler_kwargs  # the scheduler says the dashboard is missing
+    global _deferring
+    _deferring += 1
     return {**scheduler_kwargs, "dashboard": False}
 
 
@@ -240,7 +247,9 @@ def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
     """
     import threading
 
+    global _deferring
     setattr(scheduler, _DEFERRED, True)
+    _deferring = max(0, _deferring - 1)
     built = threading.Event()  # set once attach() ran (or will never run)
     setattr(scheduler, _BUILT, built)
 

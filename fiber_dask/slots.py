@@ -35,7 +35,9 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   (1.3-2.7 s at load 20), again at every ``maxtasksperchild`` restart.  A fork
   of the single-threaded, preloaded template is connected to its pool in
   ~10 ms at load ~3 (40-120 ms at load 20); the template's own start is paid
-  once per Dask worker: on the embedded cluster as the worker process imports
+  once per Dask worker: on the embedded cluster first thing in a worker forked
+  from the worker server (fiber_dask.backends.workerstart), or, for a spawned
+  worker, as it imports
   the user's main module, if that imports fiber_dask (:func:`early_templates`,
   :func:`start_early`: 1-2 s before the worker has imported distributed), by
   forking the worker itself, which is then still single-threaded and has
