@@ -1078,7 +1078,9 @@ def test_backend_adaptive_end_to_end(nodes: Nodes) -> None:
             "fiber.adaptive.target-duration": "1s",
         },
     )
-    with dask.config.set(cfg):
+    # The operator's 15 s cool-down after each step is lifted (hk.NoCooldown):
+    # the steps are still the autoscaler's, and this waited it out once.
+    with dask.config.set(cfg), hk.NoCooldown(name, kube.kubeconfig):
         try:
             client = fiber_dask.init()
             cluster = kube.get("daskclusters", name)
