@@ -344,13 +344,47 @@ def kube_api(tmp_dir: pathlib.Path) -> Iterator[KubeAPI]:
         thread.join(10)
 
 
+# The operator polls each DaskAutoscaler (and each DaskCluster for idle
+# shutdown) every 5 s.  The emulated operator polls every second: a scaling
+# decision is still the operator's and the scheduler's, it is only taken sooner,
+# and a test waiting for one waits up to 1 s a step instead of up to 5 s.
+OPERATOR_TIMER_INTERVAL = 1.0
+
+
+@contextlib.contextmanager
+def _timer_interval(interval: float) -> Iterator[None]:
+    """Run the operator's kopf timers every ``interval`` seconds meanwhile."""
+    import dataclasses
+
+    import kopf
+    from kopf._core.intents.handlers import TimerHandler
+
+    handlers = kopf.get_default_registry()._spawning._handlers
+    saved = list(handlers)
+    handlers[:] = [
+        dataclasses.replace(h, interval=interval) if isinstance(h, TimerHandler) else h
+        for h in handlers
+    ]
+    try:
+        yield
+    finally:
+        handlers[:] = saved
+
+
 @contextlib.contextmanager
 def running_operator() -> Iterator[None]:
-    """The dask-kubernetes operator's kopf controller, in a thread, cluster-wide.
+    """The dask-kubernetes operator's kopf controller, in a thread, cluster-wide,
+    its timers every :data:`OPERATOR_TIMER_INTERVAL` seconds.
 
     Uses the kubeconfig in $KUBECONFIG (set it to the emulator's first).
     """
     import dask_kubernetes.operator.controller.controller  # noqa: F401 (handlers)
+
+    with _timer_interval(OPERATOR_TIMER_INTERVAL):
+        yield from _running_operator()
+
+
+def _running_operator() -> Iterator[None]:
     import kopf
 
     box: dict[str, Any] = {}
@@ -637,3 +671,40 @@ def cluster_dns() -> Iterator[None]:
         yield
     finally:
         socket.getaddrinfo = original
+
+
+class NoCooldown:
+    """Lift the operator's 15 s cool-down after each scaling step (it would
+    make a test wait 15 s per step; the decisions themselves are the
+    operator's and the scheduler's), by resetting the annotation it keeps the
+    cool-down in, from a thread."""
+
+    def __init__(self, name: str, kubeconfig: str) -> None:
+        self.name, self.kubeconfig = name, kubeconfig
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import kr8s
+        from dask_kubernetes.operator.controller.controller import (
+            DASK_AUTOSCALER_COOLDOWN_UNTIL_ANNOTATION as COOLDOWN,
+        )
+        from kr8s.objects import new_class
+
+        api = kr8s.api(kubeconfig=self.kubeconfig)
+        cls = new_class("DaskAutoscaler", "kubernetes.dask.org/v1", namespaced=True)
+        while not self.stop.wait(0.3):
+            try:
+                obj = cls.get(self.name, namespace="default", api=api)
+                if float(obj.annotations.get(COOLDOWN, 0)) > time.time():
+                    obj.annotate({COOLDOWN: "0"})
+            except Exception:  # noqa: BLE001 - not created yet, or gone
+                pass
+
+    def __enter__(self) -> NoCooldown:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)

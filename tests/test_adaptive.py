@@ -102,8 +102,10 @@ PROBE = (
         up = [t for t, w, p in samples if t >= t_pool - t0 and w == MAX and p == MAX]
         out["scale_up_seconds"] = up[0] - (t_pool - t0) if up else None
 
-        # An open pool keeps its processes, even idle (as the stdlib's does).
-        time.sleep(2.0)
+        # An open pool keeps its processes, even idle (as the stdlib's does):
+        # 1 s is over three times what adaptive takes to retire an idle
+        # worker here (interval 100 ms x wait-count 3).
+        time.sleep(1.0)
         out["open_idle_workers"] = workers()
         pool.close()
         pool.join()

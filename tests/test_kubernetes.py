@@ -1078,7 +1078,9 @@ def test_backend_adaptive_end_to_end(nodes: Nodes) -> None:
             "fiber.adaptive.target-duration": "1s",
         },
     )
-    with dask.config.set(cfg):
+    # The operator's 15 s cool-down after each step is lifted (hk.NoCooldown):
+    # the steps are still the autoscaler's, and this waited it out once.
+    with dask.config.set(cfg), hk.NoCooldown(name, kube.kubeconfig):
         try:
             client = fiber_dask.init()
             cluster = kube.get("daskclusters", name)
@@ -1162,15 +1164,18 @@ def test_backend_fixed_size_grows_and_attach_never_deletes(nodes: Nodes) -> None
             # A pod dies during a map: its chunks run again elsewhere, the map is
             # complete, and the Deployment brings the pod back.
             with fiber_dask.Pool(2) as pool:
-                result = pool.map_async(_slow_square, range(40), chunksize=1)
+                # 20 x 0.25 s: long enough to be mid-map at the kill (both
+                # slots busy), short enough that the 18 left, run on the one
+                # pod left while the other restarts, take ~4 s instead of ~9.
+                result = pool.map_async(_slow_square, range(20), chunksize=1)
                 hk.wait_for(
                     lambda: result.progress()[0] >= 2,
                     what="the map to have results from its pods",
                 )
                 victim = nodes.deployments(owned)[0]
-                assert not result.ready()  # mid-map: 40 x 0.25 s on 2 slots
+                assert not result.ready()  # mid-map
                 nodes.kubelet.kill_pod(victim)
-                assert result.get(timeout=60) == [x * x for x in range(40)]
+                assert result.get(timeout=60) == [x * x for x in range(20)]
             hk.wait_for(
                 lambda: nodes.kubelet.restarts.get(victim),
                 what="the killed pod to be replaced",

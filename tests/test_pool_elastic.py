@@ -359,45 +359,6 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
             kr8s.asyncio.Api._instances.clear()
 
 
-class _NoCooldown:
-    """Lift the operator's 15 s cool-down after each scaling step (it would
-    make this test wait 15 s per step; the decisions themselves are the
-    operator's and the scheduler's), by resetting the annotation it keeps the
-    cool-down in, from a thread."""
-
-    def __init__(self, name: str, kubeconfig: str) -> None:
-        import threading
-
-        self.name, self.kubeconfig = name, kubeconfig
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import kr8s
-        from dask_kubernetes.operator.controller.controller import (
-            DASK_AUTOSCALER_COOLDOWN_UNTIL_ANNOTATION as COOLDOWN,
-        )
-        from kr8s.objects import new_class
-
-        api = kr8s.api(kubeconfig=self.kubeconfig)
-        cls = new_class("DaskAutoscaler", "kubernetes.dask.org/v1", namespaced=True)
-        while not self.stop.wait(0.3):
-            try:
-                obj = cls.get(self.name, namespace="default", api=api)
-                if float(obj.annotations.get(COOLDOWN, 0)) > time.time():
-                    obj.annotate({COOLDOWN: "0"})
-            except Exception:  # noqa: BLE001 - not created yet, or gone
-                pass
-
-    def __enter__(self) -> _NoCooldown:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
@@ -405,6 +366,8 @@ def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
     the default group for an open pool's work, retires a worker while that
     pool is open and idle (its slots given back), and grows it again when work
     is queued on the same pool, which then runs on the new worker."""
+    import helpers_kubernetes as hk
+
     api, kubelet = kube
     name = "fiber-elastic"
     prefix = f"{name}-default-worker-"
@@ -429,7 +392,7 @@ def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
     def lap(what: str) -> None:
         print(f"kubernetes elastic: {time.monotonic() - start:5.1f}s {what}")
 
-    with dask.config.set(cfg), _NoCooldown(name, api.kubeconfig):
+    with dask.config.set(cfg), hk.NoCooldown(name, api.kubeconfig):
         try:
             fiber_dask.init()
             lap("cluster up")

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from support.wait import wait_until
+from support.wait import wait_for_file, wait_until
 
 import fiber_dask
 from fiber_dask import objserver
@@ -504,21 +504,27 @@ def test_feeder_threads_end_with_their_queue_handles(fiber_ctx):
         )
 
 
-def _take_three_then_idle(q):
+def _take_three_then_idle(q, release):
     got = [q.get(timeout=10) for _ in range(3)]  # fast: the later gets lease
-    time.sleep(3)  # idle, still holding the handle and its lease
+    # Idle, still holding the handle and its lease, until the owner has got
+    # the rest (it was a fixed 3 s).
+    wait_for_file(release, 60)
     return got
 
 
-def test_an_idle_consumer_gives_back_its_lease(fiber_ctx):
+def test_an_idle_consumer_gives_back_its_lease(fiber_ctx, tmp_path):
     q = fiber_ctx.Queue()
     for i in range(500):
         q.put(i)
+    release = str(tmp_path / "release")
     with fiber_ctx.Pool(1) as pool:
-        res = pool.apply_async(_take_three_then_idle, (q,))
+        res = pool.apply_async(_take_three_then_idle, (q, release))
         wait_until(lambda: q.qsize() < 500, 30, "the consumer to take its items")
         # The owner gets the other 497 while the consumer idles with its lease.
-        mine = [q.get(timeout=2) for _ in range(497)]
+        try:
+            mine = [q.get(timeout=2) for _ in range(497)]
+        finally:
+            open(release, "w").close()
         theirs = res.get(timeout=30)
     assert sorted(mine + theirs) == list(range(500))
     assert theirs == sorted(theirs)
