@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -315,6 +316,10 @@ def _find(backend: str | None, address: str | None, client: Any) -> ClusterHandl
 
 def _existing_client() -> Any:
     """A client already running in this process: a worker's, or the default one."""
+    if "distributed" not in sys.modules:
+        # Neither can exist yet; importing distributed only to be told so cost
+        # the first Pool() 0.5 s before the embedded cluster began to start.
+        return None
     from distributed import get_client as dask_get_client
     from distributed import get_worker
 

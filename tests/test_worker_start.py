@@ -81,7 +81,7 @@ PROBE = textwrap.dedent(
 )
 
 
-def run_probe(tmp_path, *, top="", kill="", env=None, timeout=120):
+def run_probe(tmp_path, *, top="", kill="", env=None, args=(), timeout=120):
     script = tmp_path / "probe.py"
     script.write_text(PROBE.format(top=top, kill=kill, mark=SERVER_MARK))
     full_env = dict(os.environ, PYTHONPATH=os.getcwd(), **(env or {}))
@@ -90,7 +90,7 @@ def run_probe(tmp_path, *, top="", kill="", env=None, timeout=120):
         if k.startswith("DASK_FIBER__") and k not in (env or {}):
             del full_env[k]
     proc = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=full_env,
@@ -126,6 +126,18 @@ def test_workers_are_forks_of_the_server_and_get_a_spawned_workers_state(tmp_pat
     assert workers[0]["draw"] != workers[1]["draw"]
     # Closing the cluster reaps the server.
     assert out["servers_left"] == []
+
+
+def test_the_server_imports_the_main_module_as_a_spawned_child_does(tmp_path):
+    # Its top level reads the script's arguments and imports a module next to
+    # it: the server has the owner's argv, cwd and sys.path (else it would
+    # decline and the workers would be spawned: their parent the owner).
+    (tmp_path / "sibling.py").write_text("VALUE = 7\n")
+    top = "import sibling\nMODE = sys.argv[1]\nassert sibling.VALUE == 7"
+    out = run_probe(tmp_path, top=top, args=["fast"])
+    assert len(out["servers"]) == 1, out
+    assert {w["ppid"] for w in out["workers"]} == set(out["servers"]), out
+    assert out["squares"] == [x * x for x in range(20)]
 
 
 def test_a_killed_worker_is_restarted_from_the_server(tmp_path):

@@ -52,6 +52,7 @@ import contextvars
 import io
 import logging
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -76,11 +77,20 @@ PRELOAD = [
     "fiber_dask",
     "fiber_dask.slots",
     "fiber_dask.slottask",
+    "fiber_dask.slotserver",  # and what a slot process imports
+    "fiber_dask.swap",
+    "faulthandler",
+    "multiprocessing.synchronize",
+    "secrets",
     "cloudpickle",
     "distributed",
     "distributed.nanny",
     "distributed.worker",
     "distributed.process",
+    "distributed.http.worker",
+    "distributed.http.health",
+    "distributed.http.statics",
+    "distributed.http.prometheus",
 ]
 
 #: Seconds :meth:`WorkerForkServer.stop` waits for the server to exit once its
@@ -126,12 +136,12 @@ class WorkerForkServer(forkserver.ForkServer):
                 self._forkserver_address = None
                 self._forkserver_alive_fd = None
                 self._forkserver_pid = self._proc = None
+            # What spawn.prepare() gives a spawned child (argv, cwd, sys.path,
+            # the main module, ...), handed over on the server's stdin; not
+            # the authkey, which each worker gets with its own start.
             prep = spawn.get_preparation_data("ignore")
-            main = {
-                k: v
-                for k, v in prep.items()
-                if k in ("init_main_from_path", "init_main_from_name")
-            }
+            prep.pop("authkey", None)
+            prep.pop("name", None)
             with socket.socket(socket.AF_UNIX) as listener:
                 address = connection.arbitrary_address("AF_UNIX")
                 listener.bind(address)
@@ -144,8 +154,7 @@ class WorkerForkServer(forkserver.ForkServer):
                 try:
                     cmd = (
                         "from fiber_dask.backends.workerstart import serve; "
-                        f"serve({listener.fileno()}, {alive_r}, "
-                        f"{PRELOAD!r}, {main!r}, {prep.get('sys_path')!r})"
+                        f"serve({listener.fileno()}, {alive_r})"
                     )
                     args = [
                         spawn.get_executable(),
@@ -153,12 +162,29 @@ class WorkerForkServer(forkserver.ForkServer):
                         "-c",
                         cmd,
                     ]
+                    env = {**os.environ, **self.env}
+                    # The server must import this very fiber_dask (the owner
+                    # may have found it through sys.path, not PYTHONPATH).
+                    here = os.path.dirname(
+                        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                    )
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        p for p in (env.get("PYTHONPATH"), here) if p
+                    )
                     proc = subprocess.Popen(
                         args,
+                        stdin=subprocess.PIPE,
                         pass_fds=(listener.fileno(), alive_r),
-                        env={**os.environ, **self.env},
+                        env=env,
                         close_fds=True,
                     )
+                    try:
+                        pickle.dump((prep, PRELOAD), proc.stdin)
+                        proc.stdin.close()
+                    except OSError:  # it died at once: no server, then
+                        proc.kill()
+                        proc.wait()
+                        raise
                 except BaseException:
                     os.close(alive_w)
                     raise
@@ -169,10 +195,10 @@ class WorkerForkServer(forkserver.ForkServer):
             self._forkserver_pid = proc.pid
             self._proc = proc
 
-    def stop(self, timeout: float = STOP_GRACE) -> None:
+    def stop(self, timeout: float = STOP_GRACE) -> int | None:
         """Tell the server to exit (it does once the workers forked from it are
         gone) and reap it; kill it after ``timeout`` seconds.  Never blocks
-        longer."""
+        longer.  Its exit code, None if it was not running."""
         import subprocess
 
         with self._lock:
@@ -192,12 +218,12 @@ class WorkerForkServer(forkserver.ForkServer):
             except OSError:
                 pass
         if proc is None:
-            return
+            return None
         try:
-            proc.wait(timeout)
+            return proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout)
+            return proc.wait(timeout)
 
     @property
     def pid(self) -> int | None:
@@ -205,28 +231,32 @@ class WorkerForkServer(forkserver.ForkServer):
         return self._forkserver_pid
 
 
-def serve(
-    listener_fd: int,
-    alive_r: int,
-    preload: list[str],
-    main: dict[str, Any],
-    sys_path: list[str] | None = None,
-) -> None:
-    """The server process: import the main module as a spawned child would
-    (``main``: its ``init_main_from_path`` or ``init_main_from_name``) and
-    ``preload``, then run the stdlib's forkserver loop.
+def serve(listener_fd: int, alive_r: int) -> None:
+    """The server process: read the owner's preparation data and the modules to
+    preload from stdin, become what a spawned child is before it unpickles its
+    process object (:func:`multiprocessing.spawn.prepare`: argv, cwd,
+    ``sys.path``, the main module imported as ``__mp_main__``), import the
+    preloads, then run the stdlib's forkserver loop.
 
-    It exits instead, quietly, if that fails or leaves a thread running (a
-    fork would lose the thread, or inherit a lock it holds): the owner then
-    spawns its workers, which show the real error, if any, as before.  Never an
-    interpreter shutdown of its own (the owner's at-exit handlers are not its).
+    It exits instead, quietly, if that fails (code 3) or leaves a thread
+    running (code 4: a fork would lose the thread, or inherit a lock it
+    holds): the owner then spawns its workers, which show the real error, if
+    any, as before.  Never an interpreter shutdown of its own (the owner's
+    at-exit handlers are not its).
     """
+    from multiprocessing import process
+
     code = 0
     try:
-        if sys_path is not None:
-            sys.path[:] = sys_path
+        prep, preload = pickle.load(sys.stdin.buffer)
         try:
-            _preload(main, preload)
+            process.current_process()._inheriting = True  # as spawn._main
+            try:
+                spawn.prepare(prep)
+            finally:
+                del process.current_process()._inheriting
+            for name in preload:
+                __import__(name)
         except BaseException:  # noqa: BLE001 - the spawned workers report it
             code = 3
             return
@@ -238,19 +268,11 @@ def serve(
         os._exit(code)
 
 
-def _preload(main: dict[str, Any], preload: list[str]) -> None:
-    from multiprocessing import process
-
-    process.current_process()._inheriting = True  # as spawn.prepare() runs it
-    try:
-        if "init_main_from_name" in main:
-            spawn._fixup_main_from_name(main["init_main_from_name"])
-        elif "init_main_from_path" in main:
-            spawn._fixup_main_from_path(main["init_main_from_path"])
-    finally:
-        del process.current_process()._inheriting
-    for name in preload:
-        __import__(name)
+#: Why the server exited, by its exit code (:func:`serve`).
+_EXIT_REASONS = {
+    3: "the main module (or fiber_dask, or distributed) failed to import in it",
+    4: "importing the main module started a thread, which a fork would lose",
+}
 
 
 class _Popen(popen_forkserver.Popen):
@@ -298,14 +320,12 @@ class _Process(context.ForkServerProcess):
             try:
                 return _Popen(process_obj, server)
             except (OSError, EOFError) as e:
-                server.stop()  # reaped now; the next starts spawn too
-                # The server died (say, the main module failed to import in
-                # it): spawn this one and the ones after it.
+                # The server is gone: spawn this worker and the ones after it.
+                why = _EXIT_REASONS.get(server.stop(), f"it is gone ({e})")
                 logger.info(
-                    "fiber-dask: no worker fork server (%s): it could not "
-                    "import the main module, or that started a thread; "
-                    "spawning worker processes instead",
-                    e,
+                    "fiber-dask: no worker fork server: %s; spawning worker "
+                    "processes instead",
+                    why,
                 )
         from multiprocessing import popen_spawn_posix
 
@@ -323,10 +343,12 @@ class _Process(context.ForkServerProcess):
         # Every worker a fork of one server: ``random`` reseeds itself after a
         # fork, numpy's global generator does not (spawned workers each had
         # their own seed from the OS).
-        np = sys.modules.get("numpy")
-        if np is not None:
+        # (numpy 2 imports numpy.random lazily: only a generator the server
+        # has imported is shared; one imported later is seeded then.)
+        np_random = sys.modules.get("numpy.random")
+        if np_random is not None:
             try:
-                np.random.seed()
+                np_random.seed()
             except Exception:  # noqa: BLE001 - a numpy without it
                 pass
         from .. import config, slots
@@ -359,7 +381,8 @@ def _spawn_env() -> dict[str, str]:
     """What a nanny sets before it spawns (``distributed.nanny.pre-spawn-environ``,
     with its ``PYTHONHASHSEED`` rule), read without importing distributed."""
     import dask
-    import yaml
+
+    from .. import config
 
     defaults: dict = {}
     try:
@@ -369,7 +392,7 @@ def _spawn_env() -> dict[str, str]:
         if spec is not None and spec.origin:
             path = os.path.join(os.path.dirname(spec.origin), "distributed.yaml")
             with open(path) as f:
-                defaults = yaml.safe_load(f)["distributed"]["nanny"][
+                defaults = config.load_yaml(f)["distributed"]["nanny"][
                     "pre-spawn-environ"
                 ]
     except (OSError, KeyError, TypeError, ValueError):
