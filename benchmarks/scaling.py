@@ -87,8 +87,17 @@ def sleep_evaluate(task: tuple) -> float:
     return -float(((params - 1.0) ** 2).mean())
 
 
+def sleep_only(task: tuple) -> float:
+    """``--sleep-only``'s evaluation: the same task and message, only the sleep
+    (no perturbation rebuilt: the pool's cost alone, without the numpy work
+    that on a 2-core machine is itself a large part of an ideal iteration)."""
+    time.sleep(task[4])
+    return float(-task[1])
+
+
 def es_iteration(map_fn: Any, theta: Any, rng: Any, a: argparse.Namespace) -> Any:
-    """One ES iteration through ``map_fn``; returns the new ``theta``."""
+    """One ES iteration through ``map_fn``; returns the new ``theta``
+    (unchanged with ``--sleep-only``, which also skips the master's update)."""
     import numpy as np
 
     pairs = a.population // 2
@@ -98,7 +107,11 @@ def es_iteration(map_fn: Any, theta: Any, rng: Any, a: argparse.Namespace) -> An
         for s in seeds
         for sign in (1, -1)
     ]
-    rewards = np.asarray(map_fn(sleep_evaluate, tasks), dtype=float)
+    rewards = np.asarray(
+        map_fn(sleep_only if a.sleep_only else sleep_evaluate, tasks), dtype=float
+    )
+    if a.sleep_only:
+        return theta
     ranks = np.empty(len(rewards))
     ranks[np.argsort(rewards, kind="stable")] = np.arange(len(rewards))
     ranks = ranks / (len(rewards) - 1) - 0.5
@@ -396,7 +409,8 @@ class Benchmark(Harness):
         lines = [
             self.machine_line(),
             f"population {a.population}, {a.params} parameters, evaluation = "
-            f"{a.eval_seconds:g} s sleep; {a.iterations} timed iteration(s) per slot "
+            f"{a.eval_seconds:g} s sleep"
+            f"{' only (--sleep-only)' if a.sleep_only else ''}; {a.iterations} timed iteration(s) per slot "
             f"count and repeat after one untimed; " + self.repeats_note("over"),
         ]
         return lines + self.engine_lines()
@@ -408,6 +422,7 @@ class Benchmark(Harness):
             "population": a.population,
             "params": a.params,
             "eval_seconds": a.eval_seconds,
+            "sleep_only": a.sleep_only,
             "iterations": a.iterations,
             "repeats_done": self.repeats_done,
             "interrupted": self.interrupted,
@@ -491,6 +506,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="timed iterations per slot count and repeat (default 2)",
     )
     p.add_argument("--params", type=int, default=1000, help="size of theta")
+    p.add_argument(
+        "--sleep-only",
+        action="store_true",
+        help="evaluations only sleep and the master skips its update: the "
+        "pool's own cost, without the ES arithmetic (same tasks and messages)",
+    )
     p.add_argument("--sigma", type=float, default=0.05)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)

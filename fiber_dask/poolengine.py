@@ -69,6 +69,9 @@ logger = logging.getLogger("fiber_dask.pool")
 INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 
 _MAX_DEPTH = 64
+#: Idle loops a dispatch pass fills before it sends them their first chunks
+#: (see ``_dispatch``); fewer loops than this get one ``Calls`` each per pass.
+_START_GROUP = 64
 _FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
 _TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
 _SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
@@ -474,7 +477,9 @@ class PoolEngine:
         The chunks one pass hands a loop go in one ``Calls`` message (one
         pickle and one socket send for all of them: per chunk, those were
         most of the owner's time); a chunk marked ``alone`` goes in one of its
-        own.  A pass takes the lock once, whatever it sends.
+        own.  A pass takes the lock once, whatever it sends.  Idle loops get
+        their first chunk in groups of ``_START_GROUP`` as the pass goes, so
+        the first of 1024 starts without waiting for the last one's pickles.
         """
         with self._lock:
             if self.state == TERMINATE or self._released:
@@ -499,10 +504,23 @@ class PoolEngine:
                             self._elastic.wanted()  # slots given back: ask again
                         return
                     self._add_call(best, chunk, out)
+                    if least == 0 and len(out) >= _START_GROUP:
+                        # Idle loops, many of them (a map opening on 1024
+                        # slots): send them their first chunks in groups, not
+                        # after the whole pass has pickled every loop's queue
+                        # (the last loop started half a second late).  Only
+                        # the first chunk of each loop: the rest of a loop's
+                        # queue still goes in one Calls.
+                        self._send_out(out)
             finally:
-                for peer, batches in out.items():
-                    for batch in batches:
-                        self._send_calls(peer, batch)
+                self._send_out(out)
+
+    def _send_out(self, out: dict) -> None:
+        """Send the ``Calls`` a dispatch pass filled (``out``), and empty it."""
+        for peer, batches in out.items():
+            for batch in batches:
+                self._send_calls(peer, batch)
+        out.clear()
 
     def _file(self, peer: _Peer) -> None:
         """File ``peer`` under its number of chunks in flight (each bucket a

@@ -87,6 +87,24 @@ def test_items_pickle_plainly_only_when_plain():
         proto.dumps_items([(x for x in ())])  # what pickling raises, as it is
 
 
+def test_numpy_items_pickle_plainly_unless_they_hold_objects():
+    import cloudpickle
+
+    np = pytest.importorskip("numpy")
+    theta = np.arange(5.0)
+    plain = [(theta, 3, np.float64(0.5)), theta, np.int64(7)]
+    blob = proto.dumps_items(plain)
+    assert blob == pickle.dumps(plain, pickle.HIGHEST_PROTOCOL)
+    got = pickle.loads(blob)
+    assert (got[0][0] == theta).all() and got[0][1:] == (3, 0.5) and got[2] == 7
+    # Object arrays may hold anything (a class of __main__): cloudpickle; so do
+    # ndarray subclasses, whose class must be resolved on the loop.
+    for other in ([np.array([_Local()], dtype=object)], [(np.ma.masked_array([1]),)]):
+        assert proto.dumps_items(other) == cloudpickle.dumps(
+            other, pickle.HIGHEST_PROTOCOL
+        )
+
+
 def test_lost_chunks_are_those_of_the_oldest_unanswered_calls():
     assert proto.lost_chunks([]) == ([], [])
     # Calls 4 had a, b, c (a answered already: not listed); 5 and 6 never
