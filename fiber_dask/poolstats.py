@@ -44,8 +44,11 @@ What the numbers mean (per pool):
     chunk and keeps a few more queued there (``fiber.pool.prefetch``).
 ``reruns``
     items sent again because the process running them died (a lost worker,
-    a killed slot process); items queued at that slot and never started are
-    sent elsewhere without counting.
+    a killed slot process); items queued at that slot and known never to
+    have started are sent elsewhere without counting.  When the dead slot had
+    several chunks of one batch unanswered (a slot sends results in batches,
+    so a finished chunk's result may not have left yet), which of them ran
+    cannot be told, and each counts.
 ``rate``
     items done per second over the last ``WINDOW`` seconds.
 ``busy``

@@ -226,9 +226,12 @@ def test_reruns_after_sigkill_of_a_slot_process(client, tmp_path):
         assert res.get(timeout=90) == [x * x for x in range(10)]
         # The chunk [4, 5] was running: both items ran again.
         assert executions(d, 4) == 2 and executions(d, 5) == 2
-        wait_for_counts(
-            base, pool, done=10, failed=0, reruns=2, worker_losses=1, queued=0
-        )
+        p = wait_for_counts(base, pool, done=10, failed=0, worker_losses=1, queued=0)
+        # Every item that ran twice was counted; so may be items of the same
+        # batch whose results had not come back (which of those ran cannot be
+        # told), never more than the map's 10.
+        twice = [x for x in range(10) if executions(d, x) >= 2]
+        assert len(twice) <= p["reruns"] <= 10, (twice, p)
 
 
 def test_a_pool_whose_owner_is_killed_disappears(cluster, tmp_path):
