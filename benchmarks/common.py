@@ -365,14 +365,25 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def prepare_main(args: argparse.Namespace) -> None:
     """What ``main()`` does before the run: imports, log levels, SIGTERM."""
     ensure_importable()
     if not args.verbose:
         # Shutdown chatter ("Stream is closed", ...) from the in-process nannies.
         logging.getLogger("distributed").setLevel(logging.ERROR)
-    # A plain `kill` should clean up as well as Ctrl-C does.
+    # A plain `kill` should clean up as well as Ctrl-C does.  Only here: a
+    # process forked from this one (the stdlib Pool's workers) gets SIGTERM's
+    # default back, as it would have without the benchmark, so that
+    # ``Pool.terminate()`` kills its workers at once.  With the handler
+    # inherited, a worker that the signal reached still in its bootstrap went
+    # on to block on the pool's queue lock, and ``terminate()`` waited on it
+    # for ever (seen in scaling.py at 1024 slots).
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    os.register_at_fork(after_in_child=_default_sigterm)
 
 
 class Harness(Report):
