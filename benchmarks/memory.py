@@ -83,15 +83,6 @@ class Benchmark(EngineHarness):
 
     def warm_up(self, eng: Any) -> None:
         list(eng.pool.imap(square, range(1000), chunksize=self.args.chunksize))
-        if eng.name == "fiber_dask":
-            # The embedded cluster builds its bokeh dashboard (~10 MB) a
-            # second after it is up: not inside a measured imap.
-            from fiber_dask import cluster, dashboard
-
-            handle = cluster.current_handle()
-            scheduler = getattr(getattr(handle, "cluster", None), "scheduler", None)
-            if scheduler is not None:
-                dashboard.wait_built(scheduler, 60)
 
     def items(self, case: str) -> int:
         return self.args.items // 10 if case == "imap10" else self.args.items

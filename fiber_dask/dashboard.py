@@ -45,7 +45,7 @@ __all__ = [
     "PAGE",
     "JSON_PATH",
     "defer",
-    "connect_later",
+    "connect_on_request",
     "wait_built",
 ]
 
@@ -125,7 +125,7 @@ class PoolsJSON(web.RequestHandler):
 def _bokeh_apps(scheduler: Any) -> list[Any]:
     # Not imported here: with bokeh not loaded there is no bokeh app, and
     # importing it (~0.8 s) in the scheduler's start would delay the
-    # embedded cluster's workers (the dashboard comes later, connect_later).
+    # embedded cluster's workers (the dashboard comes on request, connect_on_request).
     server = sys.modules.get("bokeh.server.server")
     if server is None:
         return []
@@ -151,7 +151,7 @@ def _install_routes(scheduler: Any, plugin: PoolDashboard) -> None:
     )
     if not dashboards:
         if getattr(scheduler, _DEFERRED, False) or _deferring:
-            return  # the page comes with the dashboard (connect_later)
+            return  # the page comes with the dashboard (connect_on_request)
         logger.info(
             "fiber-dask: the scheduler shows no bokeh dashboard (bokeh missing or "
             "the dashboard disabled): /%s is not served, %s is",
@@ -190,24 +190,21 @@ def _install_page(scheduler: Any, plugin: PoolDashboard, prefix: str) -> None:
 
 # ------------------------------------------------------- the deferred dashboard
 
-#: Set on a scheduler whose bokeh dashboard :func:`connect_later` will build.
+#: Set on a scheduler whose bokeh dashboard :func:`connect_on_request` builds.
 _DEFERRED = "_fiber_dask_dashboard_deferred"
 
 #: The :class:`threading.Event` on such a scheduler, set once it is built.
 _BUILT = "_fiber_dask_dashboard_built"
 
-#: Schedulers :func:`defer` has set up whose :func:`connect_later` has not run
-#: yet: the pools plugin starts inside ``Scheduler.__init__``, before the
-#: scheduler can be marked, and must not log that there is no dashboard.
+#: Schedulers :func:`defer` has set up whose :func:`connect_on_request` has
+#: not run yet: the pools plugin starts inside ``Scheduler.__init__``, before
+#: the scheduler can be marked, and must not log that there is no dashboard.
 _deferring = 0
-
-#: Seconds from the embedded cluster being up to building its dashboard.
-DASHBOARD_DELAY = 1.0
 
 
 def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``scheduler_kwargs`` for a scheduler whose bokeh dashboard
-    :func:`connect_later` builds once the cluster is up.
+    :func:`connect_on_request` builds when its first page is asked for.
 
     Building distributed's dashboard (importing bokeh, and constructing the
     bokeh-tornado application: several hundred route regexes) costs the
@@ -215,8 +212,8 @@ def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
     worker process is started: the longest single step of the embedded
     cluster's start on 2 cores (benchmarks/slotstart.py).  Its HTTP server
     still starts at once (the dashboard's address is bound and shown, and
-    ``/fiber/pools.json``, ``/health`` and ``/metrics`` are served); only the
-    bokeh pages come :data:`DASHBOARD_DELAY` s after the cluster is up.
+    ``/fiber/pools.json``, ``/health`` and ``/metrics`` are served); the bokeh
+    pages are built by the first request for one of them.
     """
     import importlib.util
 
@@ -230,21 +227,47 @@ def defer(scheduler_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def wait_built(scheduler: Any, timeout: float | None = None) -> bool:
     """Wait until ``scheduler``'s deferred dashboard is built (at once if it
-    was not deferred); False if ``timeout`` ran out first.  For measurements
-    of this process that must not see bokeh arrive in the middle (its import
-    is ~10 MB and ~0.8 s of CPU)."""
+    was not deferred); False if ``timeout`` ran out first.  It is built by
+    the first request for one of its pages (:func:`connect_on_request`)."""
     built = getattr(scheduler, _BUILT, None)
     return True if built is None else built.wait(timeout)
 
 
-def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
+class _BuildOnRequest(web.RequestHandler):
+    """Any path the scheduler's own routes do not serve, until the dashboard
+    is built: build it, then send the browser back to the same address,
+    which bokeh's routes now serve (or, for a path nobody serves, the
+    scheduler's 404)."""
+
+    def initialize(self, build: Any) -> None:
+        self.build = build
+
+    async def get(self, *args: Any) -> None:
+        await self.build()
+        self.set_header("Cache-Control", "no-store")
+        self.redirect(self.request.uri or "/")
+
+    head = get
+
+
+def connect_on_request(scheduler: Any) -> None:
     """Build ``scheduler``'s bokeh dashboard (distributed's pages and the
-    pools page) ``delay`` s from now: bokeh is imported in a thread, and only
-    the application's hand-over runs on the scheduler's event loop.
+    pools page) when the first request for one of its pages comes: bokeh is
+    imported in a thread, and only the application's hand-over runs on the
+    scheduler's event loop; that request waits for it (~0.5-1 s) and is then
+    redirected to the page.
+
+    Why on request rather than on a timer (a second after the cluster was
+    up, as before): building it costs the owner's process 0.35-0.5 s of CPU
+    even on a quiet machine, taken from whatever the program does then --- at
+    1024 slots, the first ES iteration ran 0.47 s of owner CPU against 0.13 s
+    for the next ones (benchmarks/RESULTS.md, "Scaling, session 7").  Most
+    embedded clusters live for one script that nobody watches.
 
     ``scheduler`` is one started with :func:`defer`'s arguments, in this
     process (the embedded cluster's).
     """
+    import asyncio
     import threading
 
     global _deferring
@@ -252,14 +275,13 @@ def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
     _deferring = max(0, _deferring - 1)
     built = threading.Event()  # set once attach() ran (or will never run)
     setattr(scheduler, _BUILT, built)
+    waiting: list[asyncio.Future] = []  # requests waiting for the build (loop)
 
-    def build() -> None:
+    def build_thread() -> None:
         try:
             import distributed.dashboard.scheduler  # noqa: F401
         except ImportError:  # a bokeh distributed does not support
             logger.warning("fiber-dask: no dashboard", exc_info=True)
-            built.set()
-            return
         try:
             scheduler.loop.add_callback(attach)
         except RuntimeError:  # the loop closed meanwhile
@@ -267,9 +289,19 @@ def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
 
     def attach() -> None:
         try:
-            _attach()
+            if "distributed.dashboard.scheduler" in sys.modules:
+                _attach()
         finally:
+            # Whatever happened, requests go to the real routes from now on
+            # (a failed build shows the scheduler's 404, not a redirect loop).
+            applications = getattr(scheduler.http_application, "applications", [])
+            if lazy in applications:
+                applications.remove(lazy)
             built.set()
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(None)
+            waiting.clear()
 
     def _attach() -> None:
         if scheduler.status.name not in ("running", "paused"):
@@ -284,11 +316,32 @@ def connect_later(scheduler: Any, delay: float = DASHBOARD_DELAY) -> None:
         except Exception:  # noqa: BLE001 - the cluster runs on without it
             logger.warning("fiber-dask: the dashboard did not start", exc_info=True)
 
-    def later() -> None:
-        threading.Thread(target=build, name="fiber-dashboard", daemon=True).start()
+    async def build() -> None:
+        # On the scheduler's loop, in the first request's handler.
+        if built.is_set():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        if not waiting:
+            threading.Thread(
+                target=build_thread, name="fiber-dashboard", daemon=True
+            ).start()
+        waiting.append(fut)
+        await fut
 
-    # call_later is the loop's own business; add_callback is thread-safe.
-    scheduler.loop.add_callback(lambda: scheduler.loop.call_later(delay, later))
+    lazy = web.Application([(r"/.*", _BuildOnRequest, {"build": build})])
+
+    def install() -> None:
+        application = getattr(scheduler, "http_application", None)
+        if application is None or not hasattr(application, "add_application"):
+            built.set()
+            return
+        application.add_application(lazy)
+        plugin = scheduler.plugins.get(PoolDashboard.name)
+        if isinstance(plugin, PoolDashboard):
+            # Where the page will be: a request for it builds it.
+            plugin.store.page = "/" + PAGE
+
+    scheduler.loop.add_callback(install)  # thread-safe
 
 
 # ------------------------------------------------------------------- the page

@@ -147,8 +147,9 @@ def test_embedded_cluster_reports_a_map_with_a_failing_item(fiber_ctx):
             60,
             "both slots to report their worker and pid",
         )
-        # The page comes with the bokeh dashboard, which the embedded cluster
-        # builds once it is up (fiber_dask.dashboard.connect_later).
+        # The page is announced from the start: the embedded cluster builds
+        # its bokeh dashboard on the first request for a page
+        # (fiber_dask.dashboard.connect_on_request).
         wait_until(
             lambda: get_json(base + "/fiber/pools.json")["page"] == "/fiber-pools",
             60,
@@ -160,10 +161,12 @@ def test_embedded_cluster_reports_a_map_with_a_failing_item(fiber_ctx):
     )
 
 
-def test_embedded_cluster_builds_its_bokeh_dashboard_after_it_is_up(fiber_ctx):
+def test_embedded_cluster_builds_its_bokeh_dashboard_on_the_first_request(fiber_ctx):
     # Not in Scheduler.__init__, before the workers start (0.5-1 s of CPU on
-    # the start's critical path): the HTTP server is there from the start,
-    # the bokeh pages (distributed's and the pools page) follow.
+    # the start's critical path), nor on a timer in the middle of the
+    # program's work: the HTTP server is there from the start, the bokeh
+    # pages (distributed's and the pools page) are built by the first
+    # request for one of them, which waits and is redirected to the page.
     from fiber_dask.cluster import current_handle
 
     client = fiber_dask.get_client()
@@ -171,18 +174,24 @@ def test_embedded_cluster_builds_its_bokeh_dashboard_after_it_is_up(fiber_ctx):
     assert getattr(scheduler, dashboard._DEFERRED) is True
     base = http_base(client)
     assert get_json(base + "/fiber/pools.json")["version"] == 1
+    with fiber_dask.Pool(2) as pool:  # work, and time, pass: nothing is built
+        assert pool.map(abs, range(-20, 0)) == list(range(20, 0, -1))
+    assert not dashboard.wait_built(scheduler, 1.5)
+    assert get_json(base + "/fiber/pools.json")["page"] == "/fiber-pools"
 
-    def served(path):
-        try:
-            with urllib.request.urlopen(base + path, timeout=10) as r:
-                return r.status == 200
-        except OSError:
-            return False
+    def fetch(path):
+        with urllib.request.urlopen(base + path, timeout=60) as r:
+            return r.status, r.geturl(), r.read()
 
-    assert dashboard.wait_built(scheduler, 60)
+    status, url, body = fetch("/status")  # builds, then redirected to itself
+    assert status == 200 and url == base + "/status" and b"bokeh" in body.lower()
+    assert dashboard.wait_built(scheduler, 0)
     assert dashboard._bokeh_apps(scheduler)
-    wait_until(lambda: served("/status"), 60, "distributed's /status page")
-    wait_until(lambda: served("/fiber-pools"), 60, "the pools page")
+    assert fetch("/fiber-pools")[0] == 200
+    # Built once: the stand-in routes are gone, unknown paths are 404s again.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        fetch("/no-such-page")
+    assert e.value.code == 404
 
 
 def test_queued_in_flight_and_busy_while_items_wait(client, tmp_path):
@@ -513,9 +522,14 @@ def test_info_lists_the_pools_of_programs_on_fiber_dask_up(tmp_path):
 
         def listed():
             out = command("info").stdout
-            return [x for x in out.splitlines() if f"pid {owner.pid} " in x] and out
+            lines = [x for x in out.splitlines() if f"pid {owner.pid} " in x]
+            # The pool reports every poolstats.INTERVAL: its first report may
+            # come before the map's results were counted.
+            return lines and " 10 done" in lines[0] and out
 
-        out = wait_until(listed, 60, "`fiber-dask info` to list the program's pool")
+        out = wait_until(
+            listed, 60, "`fiber-dask info` to list the program's pool, 10 done"
+        )
         assert "the cluster of `fiber-dask up`; left running" in out
         (line,) = [x for x in out.splitlines() if f"pid {owner.pid} " in x]
         assert (

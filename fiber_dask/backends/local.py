@@ -83,7 +83,7 @@ class LocalBackend(Backend):
         show_dashboard = config.get("local.dashboard-address") is not None
         extra["scheduler_kwargs"] = {"preload": scheduler_preloads()}
         if show_dashboard:
-            # Built once the cluster is up, not before its workers start.
+            # Built by the first request for a page, not before the workers start.
             extra["scheduler_kwargs"] = dashboard.defer(extra["scheduler_kwargs"])
         if fork_server is not None:
             from .workerstart import nanny_class
@@ -111,7 +111,7 @@ class LocalBackend(Backend):
                 )
             client = Client(cluster, set_as_default=False)
             if extra["scheduler_kwargs"].get("dashboard") is False:
-                dashboard.connect_later(cluster.scheduler)
+                dashboard.connect_on_request(cluster.scheduler)
         except BaseException:
             cluster.close()
             raise
