@@ -95,10 +95,23 @@ def sleep_only(task: tuple) -> float:
     return float(-task[1])
 
 
+def plain_sleep(seconds: float) -> None:
+    """``--plain-map``'s task: nothing but the sleep, and nothing to pickle
+    beyond a float."""
+    time.sleep(seconds)
+
+
 def es_iteration(map_fn: Any, theta: Any, rng: Any, a: argparse.Namespace) -> Any:
     """One ES iteration through ``map_fn``; returns the new ``theta``
-    (unchanged with ``--sleep-only``, which also skips the master's update)."""
+    (unchanged with ``--sleep-only``, which also skips the master's update).
+    With ``--plain-map``: one ``map`` of ``--population`` plain sleeps
+    instead (issue 15's chunking case: the pool's chunks sized by
+    measurement, no ES task tuple)."""
     import numpy as np
+
+    if getattr(a, "plain_map", False):
+        map_fn(plain_sleep, [a.eval_seconds] * a.population)
+        return theta
 
     pairs = a.population // 2
     seeds = rng.integers(0, 2**31 - 1, size=pairs)
@@ -410,7 +423,9 @@ class Benchmark(Harness):
             self.machine_line(),
             f"population {a.population}, {a.params} parameters, evaluation = "
             f"{a.eval_seconds:g} s sleep"
-            f"{' only (--sleep-only)' if a.sleep_only else ''}; {a.iterations} timed iteration(s) per slot "
+            f"{' only (--sleep-only)' if a.sleep_only else ''}"
+            f"{'; each iteration one plain map of the sleeps (--plain-map)' if a.plain_map else ''}"
+            f"; {a.iterations} timed iteration(s) per slot "
             f"count and repeat after one untimed; " + self.repeats_note("over"),
         ]
         return lines + self.engine_lines()
@@ -511,6 +526,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="evaluations only sleep and the master skips its update: the "
         "pool's own cost, without the ES arithmetic (same tasks and messages)",
+    )
+    p.add_argument(
+        "--plain-map",
+        action="store_true",
+        help="each iteration is one map of --population plain sleeps of "
+        "--eval-seconds, default chunksize (the chunking case: e.g. 1024 slots "
+        "x 10 ms tasks), instead of an ES iteration",
     )
     p.add_argument("--sigma", type=float, default=0.05)
     p.add_argument("--lr", type=float, default=0.5)

@@ -397,13 +397,13 @@ class PoolEngine:
             if not self._cache and self.state == CLOSE:
                 self._wake()
 
-    def measured_chunksize(self, func: Any, left: int) -> int:
+    def measured_chunksize(self, func: Any, left: int, total: int | None = None) -> int:
         """Items in the next chunk of a map of ``func`` sized by measurement
         (:func:`fiber_dask.poolresults.measured_chunksize`; call under the
         lock, as the dispatcher does)."""
         entry = self._fids.get(id(func))
         per_item = entry[3] if entry is not None and entry[0] is func else None
-        return measured_chunksize(per_item, self.processes, left)
+        return measured_chunksize(per_item, self.processes, left, total)
 
     def job_consumed(self) -> None:
         """The caller took an imap chunk: back-pressured input may go on."""

@@ -38,9 +38,14 @@ __all__ = [
 
 
 #: Owner time budgeted per chunk and slot: a chunk should last at least
-#: ``slots x`` this, so that the owner's one dispatch thread (some 50-100 us
-#: of work per chunk) stays under half busy however many slots finish chunks.
-CHUNK_SECONDS_PER_SLOT = 2e-4
+#: ``slots x`` this, so that a pool's chunks come back at no more than about
+#: 1,000 a second however many slots it has.  Each chunk costs the owner and
+#: its slot's process 0.1-0.3 ms of CPU (dispatch, pickling, the result's way
+#: back, the loop's receive and send); at 1024 slots and 10 ms tasks, 0.2 s
+#: chunks (this was 2e-4) meant ~5,000 chunks a second, which on 2 cores took
+#: the CPU the sleeping tasks' wake-ups needed: 58-64 % efficiency for 4-10 s
+#: maps, against 80-86 % with 1 s chunks (benchmarks/RESULTS.md, session 7).
+CHUNK_SECONDS_PER_SLOT = 1e-3
 #: A chunk lasts at least this long once its function has been measured.  The
 #: owner and the slot spend some 0.3-0.5 ms of CPU on each chunk (dispatch,
 #: pickling, the result's way back); where they share the cores with CPU-bound
@@ -58,9 +63,18 @@ CHUNKS_PER_SLOT = 2
 #: message each way, ~50-100 us of CPU at a busy owner) than the idle time it
 #: saves a slot (at most this).  It only matters for tasks of microseconds.
 TAIL_SECONDS = 0.001
+#: ... and holds at least ``1 / (this x slots)`` of the map's items: chunks
+#: that shrink with what is left (``CHUNKS_PER_SLOT``) would otherwise cut the
+#: map's last part into ever smaller ones, some ``slots x ln(items / slots)``
+#: chunks (at 1024 slots and 102,400 items of 10 ms, ~8,000 chunks for one
+#: second of work, most of them in the tail).  At 8 a map is cut into at most
+#: about 8 chunks per slot beyond its first ones; the stdlib's rule cuts 4.
+TAIL_CHUNKS_PER_SLOT = 8
 
 
-def measured_chunksize(per_item: float | None, slots: int, left: int) -> int:
+def measured_chunksize(
+    per_item: float | None, slots: int, left: int, total: int | None = None
+) -> int:
     """Items in the next chunk of a map whose caller gave no chunksize.
 
     Parameters
@@ -72,6 +86,8 @@ def measured_chunksize(per_item: float | None, slots: int, left: int) -> int:
         The pool's slots.
     left : int
         Items of the map not handed out yet.
+    total : int, optional
+        Items of the whole map.
 
     Returns
     -------
@@ -80,18 +96,22 @@ def measured_chunksize(per_item: float | None, slots: int, left: int) -> int:
         slot is out before the first result, as the engine sends one chunk at
         a time of an unmeasured function); then enough items for the chunk to
         last ``max(MIN_CHUNK_SECONDS, slots x CHUNK_SECONDS_PER_SLOT)``, but
-        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` or the items
-        that last ``TAIL_SECONDS``, whichever is more.
+        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))``, the items
+        that last ``TAIL_SECONDS`` or ``ceil(total / (TAIL_CHUNKS_PER_SLOT x
+        slots))``, whichever is more.
 
     Examples
     --------
-    1024 slots and 10 ms tasks: chunks of about 0.2 s, 21 items (while over
-    40,960 items are left), so the owner handles ~5,000 chunks a second
-    instead of ~100,000 items.
+    1024 slots and 10 ms tasks: chunks of about 1 s, 103 items (while over
+    210,000 items are left), so the owner handles ~1,000 chunks a second
+    instead of ~100,000 items; toward the end of a map of 102,400 items they
+    shrink to 13 (1/8192 of it), not to 1.
 
-    >>> measured_chunksize(0.01, 1024, 10**6)
-    21
-    >>> measured_chunksize(0.2, 1024, 2048)
+    >>> measured_chunksize(0.01, 1024, 10**6, 10**6)
+    103
+    >>> measured_chunksize(0.01, 1024, 2000, 102400)
+    13
+    >>> measured_chunksize(0.2, 1024, 2048, 2048)
     1
 
     20,000 trivial tasks (0.1 us each) on 2 slots: two chunks, where the
@@ -107,6 +127,8 @@ def measured_chunksize(per_item: float | None, slots: int, left: int) -> int:
     want = -(-round(target / max(per_item, 1e-9), 6) // 1)
     cap = -(-left // (CHUNKS_PER_SLOT * max(slots, 1)))
     floor = round(TAIL_SECONDS / max(per_item, 1e-9), 6) // 1
+    if total and TAIL_CHUNKS_PER_SLOT:
+        floor = max(floor, -(-total // (TAIL_CHUNKS_PER_SLOT * max(slots, 1))))
     return int(max(1, min(want, max(cap, floor), left)))
 
 
@@ -261,7 +283,7 @@ class MapResult(ApplyResult):
         if not self._measured:
             return self._chunksize
         return self._engine.measured_chunksize(
-            self._func, len(self._items) - self._next_start
+            self._func, len(self._items) - self._next_start, self._total
         )
 
     def _chunks_to_come(self) -> int:

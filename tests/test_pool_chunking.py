@@ -37,7 +37,8 @@ def nap(x):
 
 def test_the_rule():
     assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
-    assert measured_chunksize(0.01, 1024, 10**6) == 21  # ~0.2 s chunks
+    assert measured_chunksize(0.01, 1024, 10**6) == 103  # ~1 s chunks (1 ms a slot)
+    assert measured_chunksize(0.01, 256, 10**6) == 26  # ~0.26 s
     assert measured_chunksize(0.2, 1024, 2048) == 1  # long tasks: one each
     assert measured_chunksize(1e-6, 2, 10**6) == 50000  # 50 ms at least
     # Never fewer than two chunks per slot of what is left...
@@ -50,6 +51,19 @@ def test_the_rule():
     # 20,000 trivial tasks on 2 slots: two chunks (the stdlib's rule cuts 8).
     assert measured_chunksize(1e-7, 2, 20000) == 10000
     assert measured_chunksize(1e-7, 2, 10000) == 10000
+    # The tail shrinks no further than 1/(8 x slots) of the whole map: at
+    # 1024 slots, 102,400 items of 10 ms end in chunks of 13, not of 1
+    # (~8 chunks per slot beyond the first ones, not ~8,000 in all).
+    assert measured_chunksize(0.01, 1024, 2000) == 1
+    assert measured_chunksize(0.01, 1024, 2000, 102400) == 13
+    assert measured_chunksize(0.01, 1024, 10, 102400) == 10  # what is left
+    # ... a floor, not a target: still no more than a chunk's usual length.
+    assert measured_chunksize(0.01, 1024, 2000, 10**7) == 103
+    # Small maps on big pools keep one item per chunk.
+    assert measured_chunksize(0.01, 1024, 1024, 1024) == 1
+    # On 2 slots the 50 ms minimum stays the rule (200 items of 10 ms: 5).
+    assert measured_chunksize(0.01, 2, 200, 200) == 5
+    assert measured_chunksize(0.01, 2, 3, 200) == 3
 
 
 def test_map_without_chunksize_equals_the_stdlib(ctx):
