@@ -424,14 +424,20 @@ class _Launch:
         try:
             if self._future.status != "pending":
                 return
-            workers = handle.client.scheduler_info(n_workers=-1)["workers"]
+            if resources:
+                # Room left, not capacity: a worker whose resources other
+                # tasks or Processes hold must not get this one beside them
+                # (meta(cpu=1) Processes would share a worker's one CPU).
+                free = handle.client.run_on_scheduler(_free_resources)
+            else:
+                free = {
+                    addr: {}
+                    for addr in handle.client.scheduler_info(n_workers=-1)["workers"]
+                }
             fits = [
                 addr
-                for addr, w in workers.items()
-                if all(
-                    w.get("resources", {}).get(k, 0) >= v
-                    for k, v in (resources or {}).items()
-                )
+                for addr, room in free.items()
+                if all(room.get(k, 0) >= v for k, v in (resources or {}).items())
             ]
             if not fits or self._claimed:
                 return  # none fits now: the queued task waits for scaling
@@ -692,3 +698,14 @@ def _wait_at_exit(popen: _Launch) -> None:
 
 
 atexit.register(_exit_function)
+
+
+def _free_resources(dask_scheduler: Any = None) -> dict[str, dict[str, float]]:
+    """On the scheduler: each worker's resources not held by its tasks."""
+    return {
+        addr: {
+            k: total - ws.used_resources.get(k, 0)
+            for k, total in (ws.resources or {}).items()
+        }
+        for addr, ws in dask_scheduler.workers.items()
+    }
