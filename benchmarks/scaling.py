@@ -111,7 +111,7 @@ def es_iteration(map_fn: Any, theta: Any, rng: Any, a: argparse.Namespace) -> An
     measurement, no ES task tuple)."""
     import numpy as np
 
-    if getattr(a, "plain_map", False):
+    if a.plain_map:
         map_fn(plain_sleep, [a.eval_seconds] * a.population)
         return theta
 

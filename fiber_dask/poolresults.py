@@ -127,7 +127,7 @@ def measured_chunksize(
     want = -(-round(target / max(per_item, 1e-9), 6) // 1)
     cap = -(-left // (CHUNKS_PER_SLOT * max(slots, 1)))
     floor = round(TAIL_SECONDS / max(per_item, 1e-9), 6) // 1
-    if total and TAIL_CHUNKS_PER_SLOT:
+    if total:
         floor = max(floor, -(-total // (TAIL_CHUNKS_PER_SLOT * max(slots, 1))))
     return int(max(1, min(want, max(cap, floor), left)))
 

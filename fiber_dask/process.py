@@ -558,6 +558,17 @@ def _cancel_quietly(client: Any, fut: Any) -> None:
         pass
 
 
+def _free_resources(dask_scheduler: Any = None) -> dict[str, dict[str, float]]:
+    """On the scheduler: each worker's resources not held by its tasks."""
+    return {
+        addr: {
+            k: total - ws.used_resources.get(k, 0)
+            for k, total in (ws.resources or {}).items()
+        }
+        for addr, ws in dask_scheduler.workers.items()
+    }
+
+
 def _connect_timeout() -> float:
     from . import config
 
@@ -698,14 +709,3 @@ def _wait_at_exit(popen: _Launch) -> None:
 
 
 atexit.register(_exit_function)
-
-
-def _free_resources(dask_scheduler: Any = None) -> dict[str, dict[str, float]]:
-    """On the scheduler: each worker's resources not held by its tasks."""
-    return {
-        addr: {
-            k: total - ws.used_resources.get(k, 0)
-            for k, total in (ws.resources or {}).items()
-        }
-        for addr, ws in dask_scheduler.workers.items()
-    }
