@@ -62,6 +62,15 @@ class LocalBackend(Backend):
             # 1,000+ descriptors twice a second took ~25 % of a core and the
             # GIL from the pool's threads (issue 15).  Every 2 s instead.
             tick = {**tick, "distributed.admin.system-monitor.interval": "2s"}
+        if dask.config.get("distributed.worker.profile.interval") == "10ms":
+            # Each worker's sampling profiler is a 10 ms timer on its event
+            # loop, which fires even with no task to sample (pool slots keep
+            # out of it: fiber_dask.slottask): 8 idle workers took 0.21 of a
+            # core, 0.06 at 100 ms (0.05 with the profiler off), and under
+            # load each firing waits for the GIL among the slots' threads
+            # (benchmarks/RESULTS.md, issue 15).  The dashboard's profile page
+            # still works, at a tenth of the samples.
+            tick = {**tick, "distributed.worker.profile.interval": "100ms"}
         if tick:
             extra["config"] = tick  # the worker processes (and adaptive ones)
         early = contextlib.nullcontext()
