@@ -66,7 +66,7 @@ class LocalBackend(Backend):
             # Each worker's sampling profiler is a 10 ms timer on its event
             # loop, which fires even with no task to sample (pool slots keep
             # out of it: fiber_dask.slottask): 8 idle workers took 0.21 of a
-            # core, 0.06 at 100 ms (0.05 with the profiler off), and under
+            # core, 0.04-0.06 at 100 ms (0.05 with the profiler off), and under
             # load each firing waits for the GIL among the slots' threads
             # (benchmarks/RESULTS.md, issue 15).  The dashboard's profile page
             # still works, at a tenth of the samples.
