@@ -13,6 +13,40 @@ from .base import Backend, ClusterHandle
 __all__ = ["LocalBackend"]
 
 
+#: Dask timers the embedded cluster runs less often, as (key, Dask's default,
+#: ours): only while the key is at Dask's default, so a value the user set
+#: is kept.  They fire in every Dask server on the same cores as the pool's
+#: tasks, and take the GIL from the pool's threads in the process they run in.
+_TIMERS = (
+    # The event-loop health check (a warning once a loop is blocked past
+    # distributed.admin.tick.limit, 3 s) wakes the scheduler, each nanny and
+    # each worker: 0.09 of a core for an idle 2-worker cluster at 20 ms, 0.04
+    # at 200 ms (benchmarks/RESULTS.md, issue 12).
+    ("distributed.admin.tick.interval", "20ms", "200ms"),
+    # Every Dask server keeps a SystemMonitor (CPU, memory, open descriptors,
+    # for the dashboard); the scheduler and the nannies all run in this
+    # process, so each counts *our* descriptors, one per pool slot: with a
+    # 1024-slot pool open, 9 monitors listing 1,000+ descriptors twice a
+    # second took ~25 % of a core (issue 15).
+    ("distributed.admin.system-monitor.interval", "500ms", "2s"),
+    # Each worker's sampling profiler fires on its event loop even with no
+    # task to sample (pool slots keep out of it: fiber_dask.slottask): 8 idle
+    # workers took 0.21 of a core at 10 ms, 0.04-0.06 at 100 ms (0.05 with
+    # the profiler off; issue 15).  The dashboard's profile page still works,
+    # at a tenth of the samples.
+    ("distributed.worker.profile.interval", "10ms", "100ms"),
+)
+
+
+def _slower_timers() -> dict[str, str]:
+    """The :data:`_TIMERS` settings to apply (those still at Dask's default)."""
+    import dask
+
+    return {
+        key: ours for key, default, ours in _TIMERS if dask.config.get(key) == default
+    }
+
+
 class LocalBackend(Backend):
     """Start a ``distributed.LocalCluster`` of worker *processes*, one thread each.
 
@@ -46,33 +80,9 @@ class LocalBackend(Backend):
         import dask
 
         extra = {}
-        tick = {}
-        if dask.config.get("distributed.admin.tick.interval") == "20ms":
-            # Dask's default event-loop health check (a warning once a loop is
-            # blocked past distributed.admin.tick.limit, 3 s) wakes the
-            # scheduler, each nanny and each worker every 20 ms: 0.09 of a core
-            # for an idle 2-worker cluster, taken from the pool's tasks on the
-            # same cores; at 200 ms, 0.04 (benchmarks/RESULTS.md, issue 12).
-            tick = {"distributed.admin.tick.interval": "200ms"}
-        if dask.config.get("distributed.admin.system-monitor.interval") == "500ms":
-            # Every Dask server keeps a SystemMonitor (CPU, memory, open
-            # descriptors, for the dashboard); the scheduler and the nannies
-            # all run in this process, so each counts *our* descriptors, one
-            # per pool slot: with a 1024-slot pool open, 9 monitors listing
-            # 1,000+ descriptors twice a second took ~25 % of a core and the
-            # GIL from the pool's threads (issue 15).  Every 2 s instead.
-            tick = {**tick, "distributed.admin.system-monitor.interval": "2s"}
-        if dask.config.get("distributed.worker.profile.interval") == "10ms":
-            # Each worker's sampling profiler is a 10 ms timer on its event
-            # loop, which fires even with no task to sample (pool slots keep
-            # out of it: fiber_dask.slottask): 8 idle workers took 0.21 of a
-            # core, 0.04-0.06 at 100 ms (0.05 with the profiler off), and under
-            # load each firing waits for the GIL among the slots' threads
-            # (benchmarks/RESULTS.md, issue 15).  The dashboard's profile page
-            # still works, at a tenth of the samples.
-            tick = {**tick, "distributed.worker.profile.interval": "100ms"}
-        if tick:
-            extra["config"] = tick  # the worker processes (and adaptive ones)
+        timers = _slower_timers()
+        if timers:
+            extra["config"] = timers  # the worker processes (and adaptive ones)
         early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
             # Each worker starts its pool-slot template process as it starts
@@ -98,7 +108,7 @@ class LocalBackend(Backend):
             from .workerstart import nanny_class
 
             extra["worker_class"] = nanny_class(fork_server)
-        with early, dask.config.set(tick):  # tick: the scheduler and nannies
+        with early, dask.config.set(timers):  # the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,
                 threads_per_worker=threads,
