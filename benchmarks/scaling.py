@@ -21,8 +21,11 @@ Engines: ``fiber_dask`` (one embedded cluster for the whole run, a fresh
 slots per worker process only make sense as threads), ``multiprocessing``
 (``Pool(slots)`` with the fork start method) and ``dask`` (plain
 ``client.map`` of one task per evaluation, on a ``LocalCluster`` with exactly
-``slots`` threads, started per slot count). Slot counts and engines are
-interleaved within each repeat.
+``slots`` threads, started per slot count) and ``no-pool`` (the bound: the
+same tasks on ``--processes`` forked processes x threads, handed to each thread
+directly, one pipe message per process and iteration; what the tasks' own CPU
+leaves of ideal on this machine, which no pool can beat). Slot counts and
+engines are interleaved within each repeat.
 
 Startup per slot count: from ``Pool(slots)`` until every slot is running a
 task (fiber_dask: every loop connected; multiprocessing: the pool object
@@ -66,7 +69,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.engines import LocalClusterMixin  # noqa: E402
 
-ENGINE_NAMES = ("fiber_dask", "multiprocessing", "dask")
+ENGINE_NAMES = ("fiber_dask", "multiprocessing", "dask", "no-pool")
 EFFICIENCY_TARGET = 0.80  # issue 6, at 256 slots
 #: Issue 15's targets: (slots, efficiency at least, seconds to all slots at most).
 SCALE_TARGETS = ((256, 0.80, 2.0), (512, 0.90, None), (1024, 0.85, 10.0))
@@ -248,6 +251,114 @@ class MultiprocessingEngine(_PoolEngine):
         self.startup = time.monotonic() - t0
 
 
+def _no_pool_process(conn: Any, threads: int) -> None:
+    """A ``no-pool`` engine's process: ``threads`` threads that stay for the
+    whole slot count; each iteration it gets one list of items per thread
+    (one pipe message), runs them and answers with all results at once."""
+    import queue
+    import threading
+
+    inboxes = [queue.SimpleQueue() for _ in range(threads)]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def slot(i: int) -> None:
+        while True:
+            job = inboxes[i].get()
+            if job is None:
+                return
+            func, items = job
+            done.put((i, [func(x) for x in items]))
+
+    workers = [threading.Thread(target=slot, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                return
+            func, lists = msg
+            for i, items in enumerate(lists):
+                inboxes[i].put((func, items))
+            out: list = [None] * len(lists)
+            for _ in lists:
+                i, results = done.get()
+                out[i] = results
+            conn.send(out)
+    finally:
+        for box in inboxes:
+            box.put(None)
+        for t in workers:
+            t.join()
+
+
+class NoPoolEngine(Engine):
+    """What this machine allows any pool: the same tasks on the same
+    processes x threads, but no pool at all.  ``--processes`` processes
+    forked once per slot count, each with its share of ``slots`` threads;
+    every iteration each process gets its threads' items in one pipe message
+    (item k to slot k mod slots: the ideal packing for tasks of one length)
+    and sends all their results back in one.  Nothing is sized, balanced,
+    retried or pickled per task: its efficiency is a bound for fiber_dask's
+    thread slots on this machine, the part of ideal an iteration loses to
+    the tasks' own CPU (the ES arithmetic, the sleeps' wake-ups) on these
+    cores."""
+
+    name = "no-pool"
+
+    def setup(self) -> None:
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("fork")
+        self.version = "-"
+        self.note = (
+            f"bound: {self.args.processes} forked processes x slots/"
+            f"{self.args.processes} threads, each thread handed its items "
+            "directly (one pipe message per process and iteration)"
+        )
+        self.procs: list = []
+
+    def open(self, slots: int) -> None:
+        self.close()
+        t0 = time.monotonic()
+        n = min(self.args.processes, slots)
+        self.shares = [slots // n + (p < slots % n) for p in range(n)]
+        self.slots = slots
+        for share in self.shares:
+            mine, theirs = self.ctx.Pipe()
+            proc = self.ctx.Process(target=_no_pool_process, args=(theirs, share))
+            proc.start()
+            theirs.close()
+            self.procs.append((proc, mine))
+        self.startup = time.monotonic() - t0
+
+    def map(self, func: Any, items: list) -> list:
+        per_slot = [items[k :: self.slots] for k in range(self.slots)]
+        first = 0
+        for (_, conn), share in zip(self.procs, self.shares, strict=True):
+            conn.send((func, per_slot[first : first + share]))
+            first += share
+        lists = [x for _, conn in self.procs for x in conn.recv()]
+        out: list = [None] * len(items)
+        for k, results in enumerate(lists):
+            out[k :: self.slots] = results
+        return out
+
+    def close(self) -> None:
+        procs, self.procs = self.procs, []
+        for _, conn in procs:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc, conn in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+
+
 class DaskEngine(LocalClusterMixin, Engine):
     """Plain Dask: a task per evaluation on a cluster of exactly ``slots`` threads."""
 
@@ -300,10 +411,15 @@ class Benchmark(Harness):
                 "fiber_dask": FiberDaskEngine,
                 "multiprocessing": MultiprocessingEngine,
                 "dask": DaskEngine,
+                "no-pool": NoPoolEngine,
             }[n](args)
             for n in args.engines
         ]
         self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
+        # (slots, repeat) -> the final theta the first engine reached; the
+        # others must reach it bit for bit (same seeds, same rewards in order).
+        self.reference: dict[tuple[int, int], Any] = {}
+        self.mismatched = False
         self.startups: dict[tuple[str, int], list[float]] = {}
 
     def ideal(self, slots: int) -> float:
@@ -351,6 +467,12 @@ class Benchmark(Harness):
                     partial(es_iteration, eng.map, theta, rng, a), a.timeout
                 )
                 times.append(dt)
+            ref = self.reference.setdefault((slots, r), theta)
+            if not (theta == ref).all():
+                self.mismatched = True
+                raise RuntimeError(
+                    f"different result: final parameters {theta} instead of {ref}"
+                )
         except Exception as e:
             self.fail(eng, f"{slots} slots", e)
             return
@@ -431,6 +553,14 @@ class Benchmark(Harness):
             f"; {a.iterations} timed iteration(s) per slot "
             f"count and repeat after one untimed; " + self.repeats_note("over"),
         ]
+        if (
+            len(self.measured()) > 1
+            and not (a.sleep_only or a.plain_map)
+            and not self.mismatched
+        ):
+            lines.append(
+                "every engine reached the same final parameters (checked bit for bit)"
+            )
         return lines + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:
@@ -471,7 +601,7 @@ class Benchmark(Harness):
         slots = a.slots
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         ax1.plot(slots, [self.ideal(s) for s in slots], "k--", label="ideal")
-        for name, style in zip(self.measured(), ("o-", "s-", "^-"), strict=False):
+        for name, style in zip(self.measured(), ("o-", "s-", "^-", "d-"), strict=False):
             pts = [(s, median(self.times.get((name, s), []))) for s in slots]
             pts = [(s, t) for s, t in pts if not math.isnan(t)]
             ax1.plot([s for s, _ in pts], [t for _, t in pts], style, label=name)

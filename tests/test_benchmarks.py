@@ -72,7 +72,7 @@ def test_coldstart_benchmark_times_fresh_processes(tmp_path):
 def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
     report, text = run_benchmark(
         "scaling.py",
-        *("--slots", "4,32", "--processes", "2", "--engines", "fiber_dask"),
+        *("--slots", "4,32", "--processes", "2", "--engines", "fiber_dask,no-pool"),
         *("--population", "64", "--eval-seconds", "0.02", "--params", "10"),
         *("--iterations", "2", "--repeats", "1", "--timeout", "120", "--quiet"),
         tmp_path=tmp_path,
@@ -83,6 +83,11 @@ def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
     times = report["engines"]["fiber_dask"]["seconds_per_iteration"]
     assert len(times["4"]) == 2 and len(times["32"]) == 2
     assert report["ideal_s"] == {"4": 16 * 0.02, "32": 2 * 0.02}
+    # The no-pool bound ran the same tasks: a result out of order or lost
+    # changes the final parameters, which fails the engine (exit status 2).
+    assert "every engine reached the same final parameters" in text
+    bound = report["engines"]["no-pool"]["seconds_per_iteration"]
+    assert len(bound["4"]) == 2 and len(bound["32"]) == 2
 
 
 @pytest.mark.timeout(300)
