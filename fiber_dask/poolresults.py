@@ -37,15 +37,19 @@ __all__ = [
 ]
 
 
-#: Owner time budgeted per chunk and slot: a chunk should last at least
-#: ``slots x`` this, so that a pool's chunks come back at no more than about
-#: 1,000 a second however many slots it has.  Each chunk costs the owner and
-#: its slot's process 0.1-0.3 ms of CPU (dispatch, pickling, the result's way
-#: back, the loop's receive and send); at 1024 slots and 10 ms tasks, 0.2 s
-#: chunks (this was 2e-4) meant ~5,000 chunks a second, which on 2 cores took
-#: the CPU the sleeping tasks' wake-ups needed: 58-64 % efficiency for 4-10 s
-#: maps, against 80-86 % with 1 s chunks (benchmarks/RESULTS.md, session 7).
-CHUNK_SECONDS_PER_SLOT = 1e-3
+#: Time budgeted per chunk and slot: a chunk should last at least ``slots x``
+#: this, so that a pool's chunks come back at no more than about 250 a second
+#: however many slots it has.  Each chunk costs CPU at both ends (dispatch,
+#: pickling, the result's way back, the loop's receive and send): at 1024
+#: thread slots sleeping 10 ms, 0.1 ms in the owner and 0.35 ms in the slot's
+#: worker process, whose 128 slot threads contend for one GIL.  At 2e-4 (0.2 s
+#: chunks, ~5,000 a second) that took the CPU the sleeping tasks' wake-ups
+#: needed: 58-64 % of ideal for 4-10 s maps; at 1e-3 (1 s chunks, ~1,100 a
+#: second, 0.5 of a core) 70-85 %, median 77 %; at 4e-3 together with
+#: ``CHUNKS_PER_SLOT = 1`` (~3,100 chunks for the map instead of ~5,500)
+#: 61-90 %, median 84 %, 12 interleaved maps each (benchmarks/RESULTS.md,
+#: session 9).  Below ~13 slots ``MIN_CHUNK_SECONDS`` decides instead.
+CHUNK_SECONDS_PER_SLOT = 4e-3
 #: A chunk lasts at least this long once its function has been measured.  The
 #: owner and the slot spend some 0.3-0.5 ms of CPU on each chunk (dispatch,
 #: pickling, the result's way back); where they share the cores with CPU-bound
@@ -54,10 +58,13 @@ CHUNK_SECONDS_PER_SLOT = 1e-3
 #: stdlib's map on 2 cores (benchmarks/overhead.py --kinds cpu), 50 ms keep it
 #: under 1 %.  The tail stays short: chunks shrink toward the end of the map.
 MIN_CHUNK_SECONDS = 0.05
-#: Never fewer than this many chunks per slot of what is left to hand out:
-#: every slot gets work, and the chunks shrink toward the end of the map so
-#: that no slot is left with a long last chunk while the others idle.
-CHUNKS_PER_SLOT = 2
+#: A chunk holds at most ``1 / (this x slots)`` of what is left to hand out,
+#: OpenMP's ``schedule(guided)`` rule at 1: every slot gets work, and the
+#: chunks shrink toward the end of the map, so that no slot is left with a
+#: long last chunk while the others idle.  At 2 (half that), a map was cut
+#: into some ``2 x slots x ln(...)`` shrinking chunks, ~2,800 of its ~5,500 at
+#: 1024 slots and 409,600 items of 10 ms, for no better balance at the end.
+CHUNKS_PER_SLOT = 1
 #: ... but a chunk of a measured function lasts at least this long, also at
 #: the end of a map: a shorter one costs the owner and the slot more (a
 #: message each way, ~50-100 us of CPU at a busy owner) than the idle time it
@@ -66,8 +73,8 @@ TAIL_SECONDS = 0.001
 #: ... and holds at least ``1 / (this x slots)`` of the map's items: chunks
 #: that shrink with what is left (``CHUNKS_PER_SLOT``) would otherwise cut the
 #: map's last part into ever smaller ones, some ``slots x ln(items / slots)``
-#: chunks (at 1024 slots and 102,400 items of 10 ms, ~8,000 chunks for one
-#: second of work, most of them in the tail).  At 8 a map is cut into at most
+#: chunks (at 1024 slots and 102,400 items of 10 ms, thousands of chunks for
+#: one second of work, most of them in the tail).  At 8 a map is cut into at most
 #: about 8 chunks per slot beyond its first ones; the stdlib's rule cuts 4.
 TAIL_CHUNKS_PER_SLOT = 8
 
@@ -96,23 +103,23 @@ def measured_chunksize(
         slot is out before the first result, as the engine sends one chunk at
         a time of an unmeasured function); then enough items for the chunk to
         last ``max(MIN_CHUNK_SECONDS, slots x CHUNK_SECONDS_PER_SLOT)``, but
-        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))``, the items
-        that last ``TAIL_SECONDS`` or ``ceil(total / (TAIL_CHUNKS_PER_SLOT x
-        slots))``, whichever is more.
+        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` or, if more,
+        the items that last ``TAIL_SECONDS`` or ``ceil(total /
+        (TAIL_CHUNKS_PER_SLOT x slots))``.
 
     Examples
     --------
-    1024 slots and 10 ms tasks: chunks of about 1 s, 103 items (while over
-    210,000 items are left), so the owner handles ~1,000 chunks a second
+    1024 slots and 10 ms tasks: chunks of about 4 s, 410 items (while over
+    420,000 items are left), so the owner handles ~250 chunks a second
     instead of ~100,000 items; toward the end of a map of 102,400 items they
     shrink to 13 (1/8192 of it), not to 1.
 
     >>> measured_chunksize(0.01, 1024, 10**6, 10**6)
-    103
+    410
     >>> measured_chunksize(0.01, 1024, 2000, 102400)
     13
     >>> measured_chunksize(0.2, 1024, 2048, 2048)
-    1
+    2
 
     20,000 trivial tasks (0.1 us each) on 2 slots: two chunks, where the
     stdlib's rule cuts 8.

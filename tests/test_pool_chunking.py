@@ -37,13 +37,15 @@ def nap(x):
 
 def test_the_rule():
     assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
-    assert measured_chunksize(0.01, 1024, 10**6) == 103  # ~1 s chunks (1 ms a slot)
-    assert measured_chunksize(0.01, 256, 10**6) == 26  # ~0.26 s
-    assert measured_chunksize(0.2, 1024, 2048) == 1  # long tasks: one each
+    assert measured_chunksize(0.01, 1024, 10**6) == 410  # ~4 s chunks (4 ms a slot)
+    assert measured_chunksize(0.01, 256, 10**6) == 103  # ~1 s
+    # Long tasks, two per slot: one chunk of two each (what is left / slots).
+    assert measured_chunksize(0.2, 1024, 2048) == 2
+    assert measured_chunksize(0.2, 1024, 1024) == 1
     assert measured_chunksize(1e-6, 2, 10**6) == 50000  # 50 ms at least
-    # Never fewer than two chunks per slot of what is left...
-    assert measured_chunksize(1e-4, 2, 1000) == 250
-    assert measured_chunksize(1e-4, 2, 100) == 25
+    # Never more than what is left / slots (OpenMP's guided rule)...
+    assert measured_chunksize(1e-4, 2, 1000) == 500
+    assert measured_chunksize(1e-4, 2, 100) == 50
     # ... unless they would last under TAIL_SECONDS (1 ms): 10 items of 0.1 ms.
     assert measured_chunksize(1e-4, 2, 20) == 10
     assert measured_chunksize(1e-6, 2, 100) == 100  # never more than is left
@@ -54,11 +56,11 @@ def test_the_rule():
     # The tail shrinks no further than 1/(8 x slots) of the whole map: at
     # 1024 slots, 102,400 items of 10 ms end in chunks of 13, not of 1
     # (~8 chunks per slot beyond the first ones, not ~8,000 in all).
-    assert measured_chunksize(0.01, 1024, 2000) == 1
+    assert measured_chunksize(0.01, 1024, 2000) == 2
     assert measured_chunksize(0.01, 1024, 2000, 102400) == 13
     assert measured_chunksize(0.01, 1024, 10, 102400) == 10  # what is left
     # ... a floor, not a target: still no more than a chunk's usual length.
-    assert measured_chunksize(0.01, 1024, 2000, 10**7) == 103
+    assert measured_chunksize(0.01, 1024, 2000, 10**7) == 410
     # Small maps on big pools keep one item per chunk.
     assert measured_chunksize(0.01, 1024, 1024, 1024) == 1
     # On 2 slots the 50 ms minimum stays the rule (200 items of 10 ms: 5).
