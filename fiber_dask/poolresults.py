@@ -45,10 +45,11 @@ __all__ = [
 #: worker process, whose 128 slot threads contend for one GIL.  At 2e-4 (0.2 s
 #: chunks, ~5,000 a second) that took the CPU the sleeping tasks' wake-ups
 #: needed: 58-64 % of ideal for 4-10 s maps; at 1e-3 (1 s chunks, ~1,100 a
-#: second, 0.5 of a core) 70-85 %, median 77 %; at 4e-3 together with
-#: ``CHUNKS_PER_SLOT = 1`` (~3,100 chunks for the map instead of ~5,500)
-#: 61-90 %, median 84 %, 12 interleaved maps each (benchmarks/RESULTS.md,
-#: session 9).  Below ~13 slots ``MIN_CHUNK_SECONDS`` decides instead.
+#: second, 0.5 of a core) a median of 76-77 %; at 4e-3 together with
+#: ``CHUNKS_PER_SLOT = 1`` (~3,100 chunks for the map instead of ~5,500) a
+#: median of 80-84 % (two A/B runs of 12 and 15 interleaved maps each,
+#: benchmarks/RESULTS.md, session 9).  Below ~13 slots ``MIN_CHUNK_SECONDS``
+#: decides instead.
 CHUNK_SECONDS_PER_SLOT = 4e-3
 #: A chunk lasts at least this long once its function has been measured.  The
 #: owner and the slot spend some 0.3-0.5 ms of CPU on each chunk (dispatch,
@@ -61,10 +62,17 @@ MIN_CHUNK_SECONDS = 0.05
 #: A chunk holds at most ``1 / (this x slots)`` of what is left to hand out,
 #: OpenMP's ``schedule(guided)`` rule at 1: every slot gets work, and the
 #: chunks shrink toward the end of the map, so that no slot is left with a
-#: long last chunk while the others idle.  At 2 (half that), a map was cut
-#: into some ``2 x slots x ln(...)`` shrinking chunks, ~2,800 of its ~5,500 at
-#: 1024 slots and 409,600 items of 10 ms, for no better balance at the end.
+#: long last chunk while the others idle.  At 2 (half that) a map was cut
+#: into twice as many shrinking chunks, ~2,800 of its ~5,500 at 1024 slots
+#: and 409,600 items of 10 ms, for no better balance at the end.
 CHUNKS_PER_SLOT = 1
+#: ... but once fewer than this many items per slot are left, a chunk holds
+#: at most half a slot's share (``left / (2 x slots)``): a map of a few long
+#: tasks per slot (ES: 2048 evaluations of 0.2 s on 1024 slots) keeps them
+#: in chunks of one, whose results come back as each ends; in one chunk of
+#: two per slot every result came at the end, and the owner's handling of
+#: 1024 answers at once lengthened each iteration by 25-40 ms (session 9).
+FEW_ITEMS_PER_SLOT = 16
 #: ... but a chunk of a measured function lasts at least this long, also at
 #: the end of a map: a shorter one costs the owner and the slot more (a
 #: message each way, ~50-100 us of CPU at a busy owner) than the idle time it
@@ -103,7 +111,9 @@ def measured_chunksize(
         slot is out before the first result, as the engine sends one chunk at
         a time of an unmeasured function); then enough items for the chunk to
         last ``max(MIN_CHUNK_SECONDS, slots x CHUNK_SECONDS_PER_SLOT)``, but
-        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` or, if more,
+        no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` (half that
+        once fewer than ``FEW_ITEMS_PER_SLOT`` items per slot are left) or,
+        if more,
         the items that last ``TAIL_SECONDS`` or ``ceil(total /
         (TAIL_CHUNKS_PER_SLOT x slots))``.
 
@@ -119,7 +129,7 @@ def measured_chunksize(
     >>> measured_chunksize(0.01, 1024, 2000, 102400)
     13
     >>> measured_chunksize(0.2, 1024, 2048, 2048)
-    2
+    1
 
     20,000 trivial tasks (0.1 us each) on 2 slots: two chunks, where the
     stdlib's rule cuts 8.
@@ -132,10 +142,12 @@ def measured_chunksize(
     target = max(MIN_CHUNK_SECONDS, slots * CHUNK_SECONDS_PER_SLOT)
     # (rounded first: 0.005 / 1e-6 is 5000.000000000001 in floats)
     want = -(-round(target / max(per_item, 1e-9), 6) // 1)
-    cap = -(-left // (CHUNKS_PER_SLOT * max(slots, 1)))
+    slots = max(slots, 1)
+    per_slot = CHUNKS_PER_SLOT if left >= FEW_ITEMS_PER_SLOT * slots else 2
+    cap = -(-left // (per_slot * slots))
     floor = round(TAIL_SECONDS / max(per_item, 1e-9), 6) // 1
     if total:
-        floor = max(floor, -(-total // (TAIL_CHUNKS_PER_SLOT * max(slots, 1))))
+        floor = max(floor, -(-total // (TAIL_CHUNKS_PER_SLOT * slots)))
     return int(max(1, min(want, max(cap, floor), left)))
 
 

@@ -39,11 +39,14 @@ def test_the_rule():
     assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
     assert measured_chunksize(0.01, 1024, 10**6) == 410  # ~4 s chunks (4 ms a slot)
     assert measured_chunksize(0.01, 256, 10**6) == 103  # ~1 s
-    # Long tasks, two per slot: one chunk of two each (what is left / slots).
-    assert measured_chunksize(0.2, 1024, 2048) == 2
-    assert measured_chunksize(0.2, 1024, 1024) == 1
+    # Long tasks, a few per slot: one item per chunk (half a slot's share
+    # once fewer than 16 items per slot are left), so results come back as
+    # each task ends.
+    assert measured_chunksize(0.2, 1024, 2048) == 1
+    assert measured_chunksize(0.2, 512, 2048) == 2
     assert measured_chunksize(1e-6, 2, 10**6) == 50000  # 50 ms at least
-    # Never more than what is left / slots (OpenMP's guided rule)...
+    # Never more than what is left / slots (OpenMP's guided rule), with 16
+    # items or more per slot left...
     assert measured_chunksize(1e-4, 2, 1000) == 500
     assert measured_chunksize(1e-4, 2, 100) == 50
     # ... unless they would last under TAIL_SECONDS (1 ms): 10 items of 0.1 ms.
@@ -56,7 +59,7 @@ def test_the_rule():
     # The tail shrinks no further than 1/(8 x slots) of the whole map: at
     # 1024 slots, 102,400 items of 10 ms end in chunks of 13, not of 1
     # (~8 chunks per slot beyond the first ones, not ~8,000 in all).
-    assert measured_chunksize(0.01, 1024, 2000) == 2
+    assert measured_chunksize(0.01, 1024, 2000) == 1
     assert measured_chunksize(0.01, 1024, 2000, 102400) == 13
     assert measured_chunksize(0.01, 1024, 10, 102400) == 10  # what is left
     # ... a floor, not a target: still no more than a chunk's usual length.
