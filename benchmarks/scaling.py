@@ -267,7 +267,10 @@ def _no_pool_process(conn: Any, threads: int) -> None:
             if job is None:
                 return
             func, items = job
-            done.put((i, [func(x) for x in items]))
+            try:
+                done.put((i, [func(x) for x in items]))
+            except BaseException as e:  # the map raises it, never hangs
+                done.put((i, e))
 
     workers = [threading.Thread(target=slot, args=(i,)) for i in range(threads)]
     for t in workers:
@@ -284,7 +287,14 @@ def _no_pool_process(conn: Any, threads: int) -> None:
             for _ in lists:
                 i, results = done.get()
                 out[i] = results
-            conn.send(out)
+            failed = [r for r in out if isinstance(r, BaseException)]
+            if failed:
+                try:
+                    conn.send(failed[0])
+                except Exception:  # an exception that does not pickle
+                    conn.send(RuntimeError(repr(failed[0])))
+            else:
+                conn.send(out)
     finally:
         for box in inboxes:
             box.put(None)
@@ -338,7 +348,11 @@ class NoPoolEngine(Engine):
         for (_, conn), share in zip(self.procs, self.shares, strict=True):
             conn.send((func, per_slot[first : first + share]))
             first += share
-        lists = [x for _, conn in self.procs for x in conn.recv()]
+        answers = [conn.recv() for _, conn in self.procs]
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        lists = [x for answer in answers for x in answer]
         out: list = [None] * len(items)
         for k, results in enumerate(lists):
             out[k :: self.slots] = results

@@ -102,3 +102,41 @@ def test_memory_benchmark_imap_does_not_hold_its_input(tmp_path):
         # map materialises 300,000 inputs and results (>= 10 MB); imap streams.
         assert peak["map"][0] >= 10.0, peak
         assert peak["imap"][0] < peak["map"][0] / 4, peak
+
+
+_NO_POOL_SCRIPT = """
+import sys
+from benchmarks.scaling import NoPoolEngine, parse_args
+
+def inverse(x):
+    return 1 / x
+
+engine = NoPoolEngine(parse_args(["--processes", "3", "--engines", "no-pool"]))
+engine.setup()
+engine.open(7)  # 3 processes holding 3, 2 and 2 slots
+try:
+    items = list(range(1, 30))
+    assert engine.map(inverse, items) == [1 / x for x in items]
+    try:
+        engine.map(inverse, list(range(-5, 6)))  # 0 is item 5, slot 5
+    except ZeroDivisionError:
+        print("raised")
+finally:
+    engine.close()
+print("closed")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_pool_bound_keeps_order_and_raises_a_task_error():
+    """The bound engine returns results in input order over uneven slot
+    shares, and a task that raises fails the map instead of hanging it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_POOL_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["raised", "closed"], proc.stdout + proc.stderr
