@@ -113,8 +113,7 @@ def measured_chunksize(
         last ``max(MIN_CHUNK_SECONDS, slots x CHUNK_SECONDS_PER_SLOT)``, but
         no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` (half that
         once fewer than ``FEW_ITEMS_PER_SLOT`` items per slot are left) or,
-        if more,
-        the items that last ``TAIL_SECONDS`` or ``ceil(total /
+        if more, the items that last ``TAIL_SECONDS`` or ``ceil(total /
         (TAIL_CHUNKS_PER_SLOT x slots))``.
 
     Examples
