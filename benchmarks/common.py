@@ -399,11 +399,31 @@ class Harness(Report):
     teardown_timeout: float | None = None
     forkserver_timeout: float | None = None
 
+    #: The meta line of a run whose engines all reached the same result.
+    same_result_line = (
+        "every engine reached the same final parameters (checked bit for bit)"
+    )
+
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
         self.active: list[Any] = []  # set up, being measured, not failed
         self.live: list[Any] = []  # started, teardown() not yet
+        # case -> the final parameters the first engine reached in it; every
+        # other engine must reach them bit for bit (same seeds, same results
+        # in the same order).
+        self.reference: dict[Any, Any] = {}
+        self.mismatched = False
+
+    def check_same_result(self, case: Any, theta: Any) -> None:
+        """Raise if ``theta`` (a numpy array) differs from the first engine's
+        for ``case``; the first one sets it."""
+        ref = self.reference.setdefault(case, theta)
+        if not (theta == ref).all():
+            self.mismatched = True
+            raise RuntimeError(
+                f"different result: final parameters {theta} instead of {ref}"
+            )
 
     def failures(self) -> bool:
         """Whether anything failed, so that the run exits with status 2."""

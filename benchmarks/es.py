@@ -107,7 +107,6 @@ class Benchmark(ComparisonHarness):
         self.iter_times: dict[str, dict[str, list[list[float]]]] = {
             k: {} for k in args.evaluations
         }  # raw, per repeat
-        self.reference: dict[str, Any] = {}  # the final theta every engine must reach
 
     def train(
         self, eng: Engine, iterations: int, population: int, evaluation: str = "real"
@@ -156,11 +155,7 @@ class Benchmark(ComparisonHarness):
                 a.timeout,
             )
             theta = out["theta"]
-            ref = self.reference.setdefault(evaluation, theta)
-            if not (theta == ref).all():
-                raise RuntimeError(
-                    f"different result: final parameters {theta} instead of {ref}"
-                )
+            self.check_same_result(evaluation, theta)
         except Exception as e:
             self.fail(eng, f"ES run ({evaluation})", e)
             return ""
@@ -252,9 +247,7 @@ class Benchmark(ComparisonHarness):
             self.isolation_line(),
         ]
         if self.reference:
-            lines.append(
-                "every engine reached the same final parameters (checked bit for bit)"
-            )
+            lines.append(self.same_result_line)
         return lines + self.idle_lines() + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:

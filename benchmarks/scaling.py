@@ -430,10 +430,6 @@ class Benchmark(Harness):
             for n in args.engines
         ]
         self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
-        # (slots, repeat) -> the final theta the first engine reached; the
-        # others must reach it bit for bit (same seeds, same rewards in order).
-        self.reference: dict[tuple[int, int], Any] = {}
-        self.mismatched = False
         self.startups: dict[tuple[str, int], list[float]] = {}
 
     def ideal(self, slots: int) -> float:
@@ -481,12 +477,7 @@ class Benchmark(Harness):
                     partial(es_iteration, eng.map, theta, rng, a), a.timeout
                 )
                 times.append(dt)
-            ref = self.reference.setdefault((slots, r), theta)
-            if not (theta == ref).all():
-                self.mismatched = True
-                raise RuntimeError(
-                    f"different result: final parameters {theta} instead of {ref}"
-                )
+            self.check_same_result((slots, r), theta)
         except Exception as e:
             self.fail(eng, f"{slots} slots", e)
             return
@@ -572,9 +563,7 @@ class Benchmark(Harness):
             and not (a.sleep_only or a.plain_map)
             and not self.mismatched
         ):
-            lines.append(
-                "every engine reached the same final parameters (checked bit for bit)"
-            )
+            lines.append(self.same_result_line)
         return lines + self.engine_lines()
 
     def json_report(self) -> dict[str, Any]:
