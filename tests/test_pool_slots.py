@@ -586,6 +586,22 @@ def test_a_slot_start_hands_over_the_pre_forked_spare():
     assert template.dead
 
 
+def _run_script(path, text: str, *args: str, **env: str):
+    """Run ``text`` as the script ``path`` in a fresh interpreter (this
+    checkout on its path, ``env`` added to the environment); it must exit 0.
+    Returns the finished process and the JSON its last line of output holds."""
+    path.write_text(text)
+    out = subprocess.run(
+        [sys.executable, str(path), *args],
+        env=dict(os.environ, PYTHONPATH=os.getcwd(), **env),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr
+    return out, json.loads(out.stdout.splitlines()[-1])
+
+
 EARLY_SCRIPT = textwrap.dedent(
     """
     import json
@@ -647,18 +663,9 @@ EARLY_SCRIPT = textwrap.dedent(
 def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
     tmp_path, order
 ):
-    script = tmp_path / "early.py"
-    script.write_text(EARLY_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = subprocess.run(
-        [sys.executable, str(script), order],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
+    out, (facts, env_in_slot, env_in_driver) = _run_script(
+        tmp_path / "early.py", EARLY_SCRIPT, order
     )
-    assert out.returncode == 0, out.stderr
-    facts, env_in_slot, env_in_driver = json.loads(out.stdout.splitlines()[-1])
     # The worker started its template from start_early(), not dask_setup; the
     # variable that told it to neither reached the slot process nor stayed in
     # the driver.
@@ -725,15 +732,7 @@ def test_thread_slot_workers_sample_their_profile_every_100_ms_unless_configured
             else ""
         )
     )
-    script = tmp_path / "profile.py"
-    script.write_text(PROFILE_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), DASK_CONFIG=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
+    out, intervals = _run_script(
+        tmp_path / "profile.py", PROFILE_SCRIPT, DASK_CONFIG=str(tmp_path)
     )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == expected, out.stdout
+    assert intervals == expected, out.stdout
