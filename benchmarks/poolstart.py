@@ -10,11 +10,14 @@ share it) by wrapping the functions that mark it, in the owner and, through
 
 * ``submitted``: ``Pool()`` returned (slot claim + the loops' ``client.map``);
 * ``started``: the loop's Dask task began (``poolworker.serve_slot``);
-* ``dialling``: it got one of its process's dial permits and dials;
-* ``connected``: its handshake with the owner finished (worker side);
-* ``accepted``: the owner's pool took the connection (``PoolEngine._on_connect``);
+* ``dialling``: a process's first loop dials the owner (the process's link,
+  :mod:`fiber_dask.poollink`: one per worker process with thread slots);
+* ``connected``: that handshake finished (worker side);
+* ``accepted``: the owner's pool took the link (``PoolEngine._on_connect``);
+* ``attached``: the owner took in a loop on its link (``PoolEngine._on_attach``);
 * ``running``: the slot's first task began (stamped by the task itself).
 
+``dialling``, ``connected`` and ``accepted`` count links, the others loops.
 The worker-side phases (``started``, ``dialling``, ``connected``) are stamped
 for thread slots only: process slots connect from processes forked by each
 worker's template, which the wrappers do not reach.  For each phase: the time
@@ -38,9 +41,18 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PHASES = ("submitted", "started", "dialling", "connected", "accepted", "running")
+PHASES = (
+    "submitted",
+    "started",
+    "dialling",
+    "connected",
+    "accepted",
+    "attached",
+    "running",
+)
 
-_stamps: list[tuple[str, int, float]] = []  # (phase, loop number, wall time)
+#: (phase, loop number or dialling thread, wall time)
+_stamps: list[tuple[str, int, float]] = []
 
 
 def slot_task(seconds: float) -> tuple[float, int, int]:
@@ -65,10 +77,10 @@ def _install() -> int:
         return serve_slot(address, authkey, service, slot, *args, **kw)
 
     def stamped_connect(address, authkey, service, hello=None, timeout=None):
-        slot = (hello or {}).get("slot", -1)
-        _stamps.append(("dialling", slot, time.time()))
+        me = threading.get_ident()
+        _stamps.append(("dialling", me, time.time()))
         conn = channel.connect.__wrapped__(address, authkey, service, hello, timeout)
-        _stamps.append(("connected", slot, time.time()))
+        _stamps.append(("connected", me, time.time()))
         return conn
 
     stamped_connect.__wrapped__ = connect
@@ -95,7 +107,7 @@ def _sample(sched, stop: threading.Event, timeline: list, t0: float) -> None:
 
 
 def _pairs(per_worker: dict) -> list:
-    """(dialling, connected) stamp pairs of the same loop, per worker."""
+    """(dialling, connected) stamp pairs of the same dial, per worker."""
     out = []
     for v in per_worker.values():
         dial = {}
@@ -180,11 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     owner: list[tuple[str, int, float]] = []
     on_connect = poolengine.PoolEngine._on_connect
 
+    on_attach = poolengine.PoolEngine._on_attach
+
     def stamped_on_connect(self, conn, hello):
-        owner.append(("accepted", (hello or {}).get("slot", -1), time.time()))
+        owner.append(("accepted", -1, time.time()))
         return on_connect(self, conn, hello)
 
+    def stamped_on_attach(self, link, n, hello):
+        owner.append(("attached", n, time.time()))
+        return on_attach(self, link, n, hello)
+
     poolengine.PoolEngine._on_connect = stamped_on_connect
+    poolengine.PoolEngine._on_attach = stamped_on_attach
     g = gate.get_gate()
 
     for r in range(a.repeats):

@@ -62,7 +62,7 @@ import time
 from typing import Any
 
 from . import config
-from .poolprotocol import STOP as _STOP
+from .poolprotocol import STOP
 from .poolresults import IMapIterator, MapResult
 
 __all__ = ["Elastic", "idle_timeout"]
@@ -195,10 +195,7 @@ class Elastic:
         # on, and its hang-up is then not counted as a loss.
         peer.retiring = True
         e._file(peer)
-        try:
-            peer.conn.send_bytes(_STOP)
-        except OSError:
-            pass  # already gone: the result thread sees its EOF
+        e.signal([peer], STOP)  # already gone: the result thread sees it
         if peer.loop in e._position:
             self.stopping.add(peer.loop)
             if e._claim is not None:

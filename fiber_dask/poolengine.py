@@ -146,12 +146,37 @@ class _Split:
             chunk.job._chunk_done(chunk.index, True, self.values)
 
 
+class _Link:
+    """One connection from a worker process, carrying the messages of its
+    loops of this pool (:mod:`fiber_dask.poollink` is the other end)."""
+
+    __slots__ = ("conn", "reader", "peers", "hello", "broken")
+
+    def __init__(self, conn, hello):
+        self.conn = conn
+        self.reader = channel.FrameReader(conn)
+        self.peers: dict[int, _Peer] = {}  # loop number -> its peer
+        self.hello = hello
+        self.broken = False
+
+    def send(self, routed: list) -> bool:
+        """Send ``routed`` (``(loop, message)`` pairs) in one frame; False if
+        the connection is gone (the result thread will see its EOF)."""
+        if not self.broken:
+            try:
+                self.conn.send_bytes(proto.encode_frame(routed))
+                return True
+            except OSError:
+                self.broken = True
+        return False
+
+
 class _Peer:
-    """One connected pool-worker loop."""
+    """One pool-worker loop, attached through a :class:`_Link`."""
 
     __slots__ = (
-        "conn",
-        "reader",
+        "link",
+        "key",
         "inflight",
         "funcs",
         "pid",
@@ -163,16 +188,16 @@ class _Peer:
         "last_active",
     )
 
-    def __init__(self, conn, hello):
-        self.conn = conn
-        self.reader = channel.FrameReader(conn)
+    def __init__(self, link: _Link, loop: int, hello: proto.Attach):
+        self.link = link
+        self.key = (link, loop)  # in PoolEngine._peers
         #: Chunks sent and not answered, in send order (poolprotocol's
-        #: lost_chunks tells which may have run when the connection drops).
+        #: lost_chunks tells which may have run when the loop is lost).
         self.inflight: dict[int, _Chunk] = {}
         self.funcs = proto.PeerFunctions()
-        self.pid = hello.get("pid")
-        self.worker = hello.get("worker")
-        self.loop = hello.get("slot")
+        self.pid = hello.pid
+        self.worker = hello.worker
+        self.loop = loop
         self.retiring = False
         self.broken = False
         self.filed: int | None = None  # its key in PoolEngine._load_index, if any
@@ -301,7 +326,10 @@ class PoolEngine:
         self._jobs: collections.deque = collections.deque()  # jobs with chunks to make
         self._retry: collections.deque = collections.deque()  # chunks to send first
         self._cache: set = set()  # unfinished jobs
-        self._peers: dict[Any, _Peer] = {}  # connection -> peer
+        self._links: set[_Link] = set()  # connected worker processes
+        #: (link, loop number) -> its peer: a loop Dask re-ran elsewhere
+        #: while the first run's host still reached us is two peers.
+        self._peers: dict[tuple[_Link, int], _Peer] = {}
         self._peer_at: dict[int, _Peer] = {}  # slot position -> peer
         self._load_index: dict[int, dict] = {}
         self._ckeys = itertools.count()
@@ -429,8 +457,7 @@ class PoolEngine:
             self._terminated_at = time.monotonic()
             jobs = list(self._cache)
             self._cache.clear()
-            for peer in self._peers.values():
-                _send_quietly(peer, proto.TERMINATE)
+            self.signal(self._peers.values(), proto.TERMINATE)
         self._release_claim()
         self._release_loops(only_unconnected=True)
         err = PoolTerminatedError(
@@ -516,11 +543,32 @@ class PoolEngine:
                 self._send_out(out)
 
     def _send_out(self, out: dict) -> None:
-        """Send the ``Calls`` a dispatch pass filled (``out``), and empty it."""
+        """Send the ``Calls`` a dispatch pass filled (``out``), one frame per
+        link, and empty it."""
+        frames: dict[_Link, list] = {}
         for peer, batches in out.items():
-            for batch in batches:
-                self._send_calls(peer, batch)
+            frames.setdefault(peer.link, []).append((peer, batches))
         out.clear()
+        for link, sends in frames.items():
+            routed = []
+            for peer, batches in sends:
+                for batch in batches:
+                    routed.append((peer.loop, self._calls(batch)))
+            if link.send(routed):
+                continue
+            # The loops are gone; the result thread will see the link's EOF.
+            # These chunks never ran there, so they go back without counting
+            # an attempt.
+            back = []
+            for peer, batches in sends:
+                peer.broken = True
+                for batch in batches:
+                    for call, chunk in batch:
+                        peer.inflight.pop(call.ckey, None)
+                        back.append(chunk)
+                self._file(peer)
+            self._retry.extendleft(reversed(back))
+            self._wake()
 
     def _file(self, peer: _Peer) -> None:
         """File ``peer`` under its number of chunks in flight (each bucket a
@@ -535,7 +583,7 @@ class PoolEngine:
                 if not bucket:
                     del loads[peer.filed]
             peer.filed = None
-        if peer.retiring or peer.broken or self._peers.get(peer.conn) is not peer:
+        if peer.retiring or peer.broken or self._peers.get(peer.key) is not peer:
             return
         n = len(peer.inflight)
         loads.setdefault(n, {})[peer] = None
@@ -628,28 +676,23 @@ class PoolEngine:
         self._stats.sent(peer)
         self._file(peer)
 
-    def _send_calls(self, peer: _Peer, batch: list) -> None:
-        """Send one ``Calls`` (``batch``: its ``(Call, chunk)`` pairs)."""
+    def _calls(self, batch: list) -> proto.Calls:
+        """One ``Calls`` (``batch``: its ``(Call, chunk)`` pairs), numbered."""
         number = next(self._calls_numbers)
         self._calls_sent += 1
         for _, chunk in batch:
             chunk.calls, chunk.first = number, False
         batch[0][1].first = True
-        msg = proto.encode(proto.Calls([call for call, _ in batch]))
-        if not peer.broken:
-            try:
-                peer.conn.send_bytes(msg)
-                return
-            except OSError:
-                pass
-        # The loop is gone; the result thread will see its EOF.  These chunks
-        # never ran there, so they go back without counting an attempt.
-        peer.broken = True
-        for call, _ in batch:
-            peer.inflight.pop(call.ckey, None)
-        self._file(peer)
-        self._retry.extendleft(reversed([chunk for _, chunk in batch]))
-        self._wake()
+        return proto.Calls([call for call, _ in batch])
+
+    def signal(self, peers: Any, msg: Any) -> None:
+        """Send ``msg`` (STOP or TERMINATE) to each of ``peers``' loops, one
+        frame per link; a link that is gone is left to the result thread."""
+        frames: dict[_Link, list] = {}
+        for peer in peers:
+            frames.setdefault(peer.link, []).append((peer.loop, msg))
+        for link, routed in frames.items():
+            link.send(routed)
 
     def _settle(self, chunk: _Chunk, ok: bool, value: Any) -> None:
         if chunk.split is not None:
@@ -684,28 +727,40 @@ class PoolEngine:
             self._on_connect(conn, hello)
 
     def _on_connect(self, conn, hello) -> None:
+        """A worker process's link is up: read it from now on (its loops
+        then attach, :meth:`_on_attach`)."""
         with self._lock:
+            if self.state == TERMINATE or self._released:
+                channel.hangup(conn)
+                return
+            link = _Link(conn, hello or {})
+            self._links.add(link)
+            self._sel.register(conn, selectors.EVENT_READ, link)
+
+    def _on_attach(self, link: _Link, n: int, hello: proto.Attach) -> None:
+        """Loop ``n`` attached through ``link``: file it and give it work."""
+        old = link.peers.get(n)
+        if old is not None:  # it left without a word: lost (never seen so far)
+            self._peer_lost(old)
+        with self._lock:
+            if self.state == TERMINATE or self._released:
+                link.send([(n, proto.TERMINATE)])
+                return
             # Closed with no work left: a loop still starting is let in only
             # to run the initializer (as every stdlib worker does), then stops.
             late = self._stop_sent is not None
-            if (
-                self.state == TERMINATE
-                or self._released
-                or (late and self._init_blob is None)
-            ):
-                channel.hangup(conn)
+            if late and self._init_blob is None:
+                link.send([(n, proto.STOP)])
                 return
-            peer = self._peers[conn] = _Peer(conn, hello or {})
+            peer = self._peers[(link, n)] = link.peers[n] = _Peer(link, n, hello)
             if late:
-                _send_quietly(peer, proto.STOP)
-            if peer.loop in self._position:
-                self._peer_at[self._position[peer.loop]] = peer
-                self._connected.add(peer.loop)
+                link.send([(n, proto.STOP)])
+            if n in self._position:
+                self._peer_at[self._position[n]] = peer
+                self._connected.add(n)
             self._file(peer)
-            self._sel.register(conn, selectors.EVENT_READ)
             self._loop_failures = 0
             self._dispatch()
-        self._wake()
 
     def _run(self) -> None:
         """The result thread."""
@@ -726,41 +781,53 @@ class PoolEngine:
             if not self._should_continue():
                 return False
         try:
-            ready = [key.fileobj for key, _ in self._sel.select(timeout=0.5)]
+            ready = self._sel.select(timeout=0.5)
         except (OSError, ValueError):  # closed by _release
             return not self._released
         arrived: list[tuple[_Peer, Any]] = []
         lost: list[_Peer] = []
-        for obj in ready:
-            if obj is self._wake_r:
+        dropped: list[_Link] = []
+        for key, _ in ready:
+            link = key.data
+            if link is None:  # the wake-up socket
                 try:
                     while self._wake_r.recv(4096):
                         pass
                 except OSError:
                     pass
                 continue
-            peer = self._peers.get(obj)
-            if peer is None:
-                continue
             try:
-                frames = peer.reader.frames()
+                frames = link.reader.frames()
             except (EOFError, OSError):
                 frames = None
-            if self.state != TERMINATE:  # else nobody waits for the results
-                for raw in frames or ():
-                    try:
-                        arrived.append((peer, proto.decode(raw)))
-                    except Exception:  # never let one bad message kill the pool
-                        logger.exception("fiber-dask: error decoding a pool message")
+            for raw in frames or ():
+                try:
+                    routed = proto.decode_frame(raw)
+                except Exception:  # never let one bad message kill the pool
+                    logger.exception("fiber-dask: error decoding a pool message")
+                    continue
+                for n, msg in routed:
+                    if isinstance(msg, proto.Attach):
+                        self._on_attach(link, n, msg)
+                        continue
+                    peer = link.peers.get(n)
+                    if peer is None:
+                        continue  # told to stop as it attached
+                    if isinstance(msg, proto.Gone):
+                        lost.append(peer)
+                    elif self.state != TERMINATE:  # else nobody waits for it
+                        arrived.append((peer, msg))
             if frames is None:
-                lost.append(peer)
+                dropped.append(link)
         if arrived:
             try:
                 self._on_messages(arrived)
             except Exception:  # never let one bad message kill the pool
                 logger.exception("fiber-dask: error handling a pool message")
-        for peer in lost:  # after what it sent before hanging up
+        for peer in lost:  # after what it sent before it left
             self._peer_lost(peer)
+        for link in dropped:
+            self._link_lost(link)
         self._maintain()
         return True
 
@@ -779,8 +846,7 @@ class PoolEngine:
         if self.state == CLOSE and not self._cache:
             if self._stop_sent is None:
                 self._stop_sent = time.monotonic()
-                for peer in self._peers.values():
-                    _send_quietly(peer, proto.STOP)
+                self.signal(self._peers.values(), proto.STOP)
                 if self._init_blob is None:
                     self._release_loops(only_unconnected=True)
             if time.monotonic() - self._stop_sent > _STOP_GRACE:
@@ -843,17 +909,16 @@ class PoolEngine:
     def _peer_lost(self, peer: _Peer) -> None:
         failed: list[tuple[_Chunk, BaseException]] = []
         with self._lock:
+            if self._peers.get(peer.key) is not peer:
+                return  # already lost
             self._stats.lost(peer)
-            self._peers.pop(peer.conn, None)
+            del self._peers[peer.key]
+            if peer.link.peers.get(peer.loop) is peer:
+                del peer.link.peers[peer.loop]
             for pos, p in list(self._peer_at.items()):
                 if p is peer:
                     del self._peer_at[pos]
             self._file(peer)
-            try:
-                self._sel.unregister(peer.conn)
-            except (KeyError, ValueError, OSError):
-                pass
-            peer.conn.close()
             if self.state == TERMINATE or self._released:
                 return
             back: list[_Chunk] = []
@@ -919,6 +984,19 @@ class PoolEngine:
                 jobs = list(self._cache)
             for job in jobs:
                 job._fail(storm)
+
+    def _link_lost(self, link: _Link) -> None:
+        """``link`` dropped: every loop it still carried is lost."""
+        with self._lock:
+            self._links.discard(link)
+            try:
+                self._sel.unregister(link.conn)
+            except (KeyError, ValueError, OSError):
+                pass
+            link.conn.close()
+            peers = list(link.peers.values())
+        for peer in peers:
+            self._peer_lost(peer)
 
     def _item_error(self, chunk: _Chunk, peer: _Peer) -> WorkerLostError:
         name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
@@ -1127,18 +1205,19 @@ class PoolEngine:
             if self._released:
                 return
             self._released = True
-            peers = list(self._peers.values())
+            conns = [link.conn for link in self._links]
             with self._incoming_lock:
                 self._incoming_closed = True
-                peers += [_Peer(conn, hello or {}) for conn, hello in self._incoming]
+                conns += [conn for conn, _ in self._incoming]
                 self._incoming.clear()
+            self._links.clear()
             self._peers.clear()
             self._peer_at.clear()
             self._load_index.clear()
         poolstats.unwatch(self)
         self._server.unregister(self._service)
-        for peer in peers:
-            channel.hangup(peer.conn)
+        for conn in conns:
+            channel.hangup(conn)
         self._release_claim()
         self._release_loops()
         self._sel.close()
@@ -1185,13 +1264,6 @@ def _on_connect(ref, conn, hello) -> None:
         channel.hangup(conn)
         return
     engine._queue_connection(conn, hello)
-
-
-def _send_quietly(peer: _Peer, msg: bytes) -> None:
-    try:
-        peer.conn.send_bytes(msg)
-    except OSError:
-        pass
 
 
 def _stop_all_at_exit() -> None:

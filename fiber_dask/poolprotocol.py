@@ -5,20 +5,30 @@ cannot disagree about a message's shape or about which functions a loop holds
 (loky's ``process_executor`` is the model: small named message classes and one
 place that encodes them).
 
+A connection between the owner and a worker process is a *link*
+(:mod:`fiber_dask.poollink`): it carries the messages of every loop of that
+pool in that process (a hundred thread slots, or the one loop of a slot
+process).  Each frame on a link is :func:`encode_frame` of a list of
+``(loop, message)`` pairs, ``loop`` being the loop's number in its pool; the
+messages of one loop keep their order.
+
 owner → loop::
 
     Calls([Call(ckey, fid, fblob, mode, payload, retries, evict), ...])
                             run these chunks, in order (``payload``: the
                             pickled list of a chunk's items)
-    STOP                    stop after the queued work (raw bytes b"S")
-    TERMINATE               stop now, interrupting the task (raw bytes b"K")
+    STOP                    stop after the queued work
+    TERMINATE               stop now, interrupting the task
 
 loop → owner::
 
+    Attach(pid, worker)     the loop joined the link (its first message)
     Results([Result(ckey, ok, blob, seconds, last), ...])
                             chunks' outcomes, in the order they ran; ``last``:
                             maxtasksperchild retires this loop after it
     InitFailed(blob)        the initializer raised or could not be loaded
+    Gone(reason)            the loop ended (its last message); a link that
+                            drops ends every loop it still carried
 
 Batches (issue 15: one message per chunk capped the pool at the owner's one
 thread, whose largest cost was a socket send per chunk): the owner puts every
@@ -27,10 +37,10 @@ answers a ``Calls`` with ``Results`` that each cover a run of its chunks: it
 answers its first chunk on its own, then what it has finished once
 :data:`FLUSH_SECONDS` have passed since the first unanswered one finished or
 :data:`FLUSH_CHUNKS` are waiting, and at the end of the ``Calls``.  A
-``Results`` never spans two ``Calls``.  So when a loop's connection drops,
-the chunks of the oldest ``Calls`` not answered yet are the ones that may
-have run (one of them was running); those of later ``Calls`` never started.
-The owner's rule for that is :func:`lost_chunks`.
+``Results`` never spans two ``Calls``.  So when a loop is lost (its link
+drops), the chunks of the oldest ``Calls`` not answered yet are the ones that
+may have run (one of them was running); those of later ``Calls`` never
+started.  The owner's rule for that is :func:`lost_chunks`.
 
 The function cache rule (why a long-lived pool never forgets a function): the
 owner keeps, per loop, a :class:`PeerFunctions` — a bounded, least-recently-used
@@ -38,8 +48,8 @@ record of the functions that loop holds.  It alone decides: a ``Call`` carries
 the function's pickle (``fblob``) when the loop does not hold it, and the ids
 the loop must drop (``evict``) to stay within the bound.  The loop's
 :class:`LoopFunctions` only obeys, so its content is always exactly what the
-owner believes.  Messages are handled in the order they were sent on one
-connection, which is what keeps the two in step.
+owner believes.  A loop's messages are handled in the order they were sent,
+which is what keeps the two in step.
 
 A function that cannot be *loaded* on the loop (an ``ImportError`` unpickling
 it) fails every task that uses it with that error; the loop keeps its pickle
@@ -69,6 +79,8 @@ __all__ = [
     "Result",
     "Results",
     "InitFailed",
+    "Attach",
+    "Gone",
     "FLUSH_SECONDS",
     "FLUSH_CHUNKS",
     "lost_chunks",
@@ -78,8 +90,8 @@ __all__ = [
     "FUNC_CACHE_SIZE",
     "PeerFunctions",
     "LoopFunctions",
-    "encode",
-    "decode",
+    "encode_frame",
+    "decode_frame",
     "encode_failure",
     "decode_failure",
     "dumps_value",
@@ -98,9 +110,6 @@ FLUSH_SECONDS = 0.002
 #: this (``fiber.pool.prefetch``), so the owner refills it while it works on
 #: the rest, and no loop waits for the round trip of its own answer.
 FLUSH_CHUNKS = 16
-
-STOP = b"S"
-TERMINATE = b"K"
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -212,24 +221,91 @@ class InitFailed:
         return cls(blob)
 
 
-_KINDS = {cls.tag: cls for cls in (Calls, Results, InitFailed)}
+class Attach:
+    """Loop → owner, its first message: the loop joined the link; ``pid`` the
+    process that runs its tasks, ``worker`` its Dask worker's address."""
+
+    __slots__ = ("pid", "worker")
+    tag = "A"
+
+    def __init__(self, pid, worker):
+        self.pid, self.worker = pid, worker
+
+    def fields(self) -> tuple:
+        return (self.pid, self.worker)
+
+    @classmethod
+    def from_fields(cls, pid, worker) -> Attach:
+        return cls(pid, worker)
 
 
-def encode(msg: Calls | Results | InitFailed) -> bytes:
-    """One message as bytes: a tuple of plain types (tag first), pickled."""
-    return pickle.dumps((msg.tag, *msg.fields()), protocol=_PROTOCOL)
+class Gone:
+    """Loop → owner, its last message: the loop ended, for ``reason``
+    (a :class:`Reason`)."""
+
+    __slots__ = ("reason",)
+    tag = "G"
+
+    def __init__(self, reason):
+        self.reason = reason
+
+    def fields(self) -> tuple:
+        return (self.reason,)
+
+    @classmethod
+    def from_fields(cls, reason) -> Gone:
+        return cls(reason)
 
 
-def decode(raw: bytes) -> Any:
-    """The message in ``raw``; ``STOP``/``TERMINATE`` come back as themselves.
+class _Signal:
+    """A message without fields (:data:`STOP`, :data:`TERMINATE`); each is
+    one object, compared with ``is``."""
+
+    __slots__ = ("tag", "name")
+
+    def __init__(self, tag: str, name: str) -> None:
+        self.tag, self.name = tag, name
+
+    def fields(self) -> tuple:
+        return ()
+
+    def from_fields(self) -> _Signal:
+        return self
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: Owner → loop: stop after the queued work.
+STOP = _Signal("S", "STOP")
+#: Owner → loop: stop now, interrupting the running task.
+TERMINATE = _Signal("K", "TERMINATE")
+
+_KINDS = {
+    kind.tag: kind
+    for kind in (Calls, Results, InitFailed, Attach, Gone, STOP, TERMINATE)
+}
+
+
+def encode_frame(routed: list) -> bytes:
+    """One frame of a link: ``routed`` is a list of ``(loop, message)``
+    pairs, pickled as one list of plain tuples ``(loop, tag, *fields)``."""
+    return pickle.dumps(
+        [(loop, msg.tag, *msg.fields()) for loop, msg in routed], protocol=_PROTOCOL
+    )
+
+
+def decode_frame(raw: bytes) -> list:
+    """The ``(loop, message)`` pairs of a frame.
 
     Only plain types are unpickled here (the envelope); the payload, function
     and values inside stay bytes until the receiver decides to load them.
     """
-    if raw == STOP or raw == TERMINATE:
-        return raw
-    tag, *fields = pickle.loads(raw)
-    return _KINDS[tag].from_fields(*fields)
+    kinds = _KINDS
+    return [
+        (loop, kinds[tag].from_fields(*fields))
+        for loop, tag, *fields in pickle.loads(raw)
+    ]
 
 
 def lost_chunks(unanswered: list) -> tuple[list, list]:

@@ -2,28 +2,26 @@
 
 Dask places one loop per pool slot (the long-running task
 :func:`fiber_dask.slottask.run_pool_worker`) and re-runs a loop whose worker died.  The loop
-connects back to the pool's owner over the direct channel and then only moves
-bytes: no scheduler round trip per task.  The messages are those of
-:mod:`fiber_dask.poolprotocol`, which both ends share.
+joins its process's link to the pool's owner (:mod:`fiber_dask.poollink`: one
+authenticated connection per process and pool, shared by its thread slots)
+and then only moves bytes: no scheduler round trip per task.  The messages are
+those of :mod:`fiber_dask.poolprotocol`, which both ends share.
 
 With ``fiber.pool.slots: process`` (the default) the Dask task is only the
 slot's *keeper*: it hands the loop (:func:`serve_slot`)
 to a slot process of its own and waits for it (see :mod:`fiber_dask.slots`);
 with ``thread`` the Dask task thread runs :func:`serve_slot` itself.
 
-Two steps, kept apart so that they can run in a process of their own:
+:func:`serve_slot` joins the link (:func:`fiber_dask.poollink.attach`), runs
+the initializer and serves chunks until STOP, TERMINATE, the owner's loss or
+``maxtasksperchild``, then leaves the link saying why it ended (a
+:class:`~fiber_dask.poolprotocol.Reason`, also its return value).  It does
+not assume it runs inside a Dask worker.
 
-* :func:`connect_to_owner` — dial the owner's channel service;
-* :func:`serve` — given that connection, run the initializer and serve chunks
-  until STOP, TERMINATE, the owner's loss or ``maxtasksperchild``; returns why
-  it ended (a :class:`~fiber_dask.poolprotocol.Reason`).  It does not assume it
-  runs inside a Dask worker.
-
-:func:`serve_slot` is the two in a row.
-
-A receiver thread drains the socket into a local queue at all times, so the
-owner's sends never block on a busy worker (which would deadlock against our
-own result sends), and so TERMINATE can interrupt a running task.
+The link's receiver thread drains the socket into each loop's inbox at all
+times, so the owner's sends never block on a busy worker (which would
+deadlock against our own result sends), and so TERMINATE can interrupt a
+running task.
 """
 
 from __future__ import annotations
@@ -37,11 +35,11 @@ import time
 from multiprocessing.pool import MaybeEncodingError
 from typing import Any
 
-from . import channel
+from . import poollink
 from . import poolprotocol as proto
 from .mainglobals import MainNamespace
 
-__all__ = ["serve_slot", "connect_to_owner", "serve"]
+__all__ = ["serve_slot", "serve"]
 
 
 class _Terminated(BaseException):
@@ -49,11 +47,11 @@ class _Terminated(BaseException):
 
 
 class _Loop:
-    def __init__(self, conn: Any, kill_after: float | None = None) -> None:
-        self.conn = conn
+    def __init__(self, number: int, kill_after: float | None = None) -> None:
+        self.number = number
+        self.link: Any = None  # its poollink.Link, once joined
         self.kill_after = kill_after
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.send_lock = threading.Lock()
         self.exec_lock = threading.Lock()
         self.executing = False
         self.stop_now = False
@@ -64,9 +62,7 @@ class _Loop:
         )
 
     def send(self, msg: Any) -> None:
-        raw = proto.encode(msg)
-        with self.send_lock:
-            self.conn.send_bytes(raw)
+        self.link.post(self.number, msg)
 
     def result(
         self, ckey: int, ok: bool, value: Any, secs: float, last: bool
@@ -89,31 +85,28 @@ class _Loop:
             blob = proto.encode_failure(value)
         return proto.Result(ckey, ok, blob, secs, last)
 
-    def receive(self) -> None:
-        """Receiver thread: drain the socket; interrupt the task on K or EOF."""
-        while True:
-            try:
-                raw = self.conn.recv_bytes()
-            except (EOFError, OSError):
-                raw = None
-            if raw is None or raw == proto.TERMINATE:
-                self.stop_now = True
-                with self.exec_lock:
-                    if self.executing:
-                        # Interrupts Python code at its next bytecode; a task
-                        # blocked in C (sleep, I/O, a long numpy call) only
-                        # notices when that call returns.
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                            ctypes.c_ulong(self.main_ident),
-                            ctypes.py_object(_Terminated),
-                        )
-                        if self.kill_after is not None:
-                            t = threading.Timer(self.kill_after, self._kill_if_stuck)
-                            t.daemon = True
-                            t.start()
-                self.inbox.put(None)
-                return
-            self.inbox.put(raw)
+    def deliver(self, msg: Any) -> None:
+        """On the link's receiver thread: a message for this loop, or None
+        (the link dropped: the owner is gone).  TERMINATE and None interrupt
+        the running task."""
+        if msg is not None and msg is not proto.TERMINATE:
+            self.inbox.put(msg)
+            return
+        self.stop_now = True
+        with self.exec_lock:
+            if self.executing:
+                # Interrupts Python code at its next bytecode; a task
+                # blocked in C (sleep, I/O, a long numpy call) only
+                # notices when that call returns.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.main_ident),
+                    ctypes.py_object(_Terminated),
+                )
+                if self.kill_after is not None:
+                    t = threading.Timer(self.kill_after, self._kill_if_stuck)
+                    t.daemon = True
+                    t.start()
+        self.inbox.put(None)
 
     def _kill_if_stuck(self) -> None:
         """Still in the task after the grace period: end this worker process,
@@ -170,76 +163,19 @@ class _Loop:
                 self.executing = False
 
 
-#: Handshakes with the owner one process runs at once.  Thread slots put
-#: a hundred loops in one worker process; dialling all at once only makes
-#: each handshake slower (they share one GIL), and the owner's gate drops
-#: handshakes from one address beyond ``gate.MAX_PER_PEER`` whose peer has
-#: not proved the key within ``gate.MIN_AGE`` (one round trip).  At 4 a
-#: 1024-slot pool's loops waited here for most of its start-up (issue 15:
-#: 10-23 s of 11-23 s); at 16, 8 processes put at most 128 into the gate.
-_DIAL_AT_ONCE = 16
-_dialling = threading.BoundedSemaphore(_DIAL_AT_ONCE)
-#: Seconds a loop keeps retrying a handshake the owner dropped (a crowded
-#: gate), with a jittered backoff from 50 ms up to 1 s between attempts.
-_REDIAL_FOR = 60.0
-
-
-def connect_to_owner(
-    address: tuple[str, int],
-    authkey: bytes,
-    service: str,
-    slot: int,
-    worker: str | None = None,
-) -> Any:
-    """Connect to the pool's owner: a channel ``Connection``, or the
-    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string).
-
-    A handshake cut by the owner's side (its gate drops the oldest of too
-    many handshakes from one host, as when a thousand loops start together)
-    is tried again, for up to ``_REDIAL_FOR`` seconds; nothing is unpickled
-    before the owner has authenticated, so a retry costs only time.
-    """
-    import random
-
-    hello = {"pid": os.getpid(), "worker": worker, "slot": slot}
-    deadline = time.monotonic() + _REDIAL_FOR
-    pause = 0.05
-    while True:
-        try:
-            with _dialling:
-                return channel.connect(address, authkey, service, hello=hello)
-        except channel.Unreachable as e:
-            # Not "no-pool": the pool counts this as a failed loop, so that it
-            # fails with an error naming the address instead of starting loops
-            # that cannot connect forever.
-            return f"{proto.Reason.UNREACHABLE}: {e}"
-        except channel.ChannelError:  # the pool is gone (closed): nothing to do
-            return proto.Reason.NO_POOL
-        except (ConnectionResetError, BrokenPipeError, EOFError) as e:
-            # Accepted, then cut during the handshake: a crowded gate.
-            if time.monotonic() > deadline:
-                why = f"the owner kept cutting the handshake ({e!r})"
-                return f"{proto.Reason.UNREACHABLE}: {why}"
-        time.sleep(pause * (0.5 + random.random()))
-        pause = min(1.0, pause * 2)
-
-
 def serve(
-    conn: Any,
+    link: Any,
+    loop: _Loop,
     init_blob: bytes | None,
     maxtasks: int | None,
-    kill_after: float | None = None,
 ) -> str:
-    """Run the initializer, then serve chunks from ``conn`` until told to end.
+    """Run the initializer, then serve ``loop``'s chunks until told to end.
 
-    Returns why it ended (:class:`~fiber_dask.poolprotocol.Reason`).  Hangs up
-    ``conn`` before returning.  ``kill_after``: seconds after a terminate (or
-    the owner's loss) at which a task that has not stopped ends this process;
-    None never does.
+    Returns why it ended (:class:`~fiber_dask.poolprotocol.Reason`).
     """
     import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
 
-    loop = _Loop(conn, kill_after)
+    loop.link = link
     try:
         if init_blob is not None:
             try:
@@ -251,14 +187,9 @@ def serve(
                 # the owner fails the pool with it, it never runs without it.
                 loop.send(proto.InitFailed(proto.encode_failure(e)))
                 return proto.Reason.INIT_FAILED
-        threading.Thread(
-            target=loop.receive, name="fiber-pool-recv", daemon=True
-        ).start()
         return _serve(loop, maxtasks)
     except _Terminated:
         return proto.Reason.TERMINATED
-    finally:
-        channel.hangup(conn)
 
 
 def serve_slot(
@@ -271,13 +202,27 @@ def serve_slot(
     kill_after: float | None,
     worker_address: str | None,
 ) -> str:
-    """:func:`connect_to_owner`, then :func:`serve`: one pool slot, wherever it
-    runs (a Dask task thread, or the main thread of a process of its own).
-    Returns why it ended."""
-    conn = connect_to_owner(address, authkey, service, slot, worker_address)
-    if isinstance(conn, str):
-        return conn
-    return serve(conn, init_blob, maxtasks, kill_after)
+    """One pool slot, wherever it runs (a Dask task thread, or the main thread
+    of a process of its own): join the link to the owner as loop ``slot``,
+    :func:`serve`, leave.  Returns why it ended.
+
+    ``kill_after``: seconds after a terminate (or the owner's loss) at which a
+    task that has not stopped ends this process; None never does.
+    """
+    loop = _Loop(slot, kill_after)
+    link = poollink.attach(
+        address, authkey, service, slot, worker_address, loop.deliver
+    )
+    if isinstance(link, str):
+        return link
+    reason = proto.Reason.TERMINATED
+    try:
+        reason = serve(link, loop, init_blob, maxtasks)
+        return reason
+    except _Terminated:  # arrived between serve's return and here
+        return reason
+    finally:
+        link.detach(slot, reason)
 
 
 def _serve(loop: _Loop, maxtasks: int | None) -> str:
@@ -296,11 +241,10 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
     flush_after, flush_chunks = proto.FLUSH_SECONDS, proto.FLUSH_CHUNKS
     clock = time.perf_counter
     while True:
-        raw = loop.inbox.get()
-        if raw is None or loop.stop_now:
+        msg = loop.inbox.get()
+        if msg is None or loop.stop_now:
             return proto.Reason.TERMINATED
-        msg = proto.decode(raw)
-        if msg == proto.STOP:
+        if msg is proto.STOP:
             return proto.Reason.STOPPED
         calls = msg.calls
         answers: list = []

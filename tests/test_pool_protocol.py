@@ -28,8 +28,10 @@ def test_owner_and_loop_agree_on_every_function_under_a_long_random_run():
     for step in range(20000):
         # One hot function, a warm set, and a long tail of new ones.
         fid = rng.choice([0] * 5 + list(range(1, 40)) + [rng.randrange(40, 3000)])
-        raw = proto.encode(proto.Calls([_call(peer, fid, blobs)]))
-        (call,) = proto.decode(raw).calls
+        raw = proto.encode_frame([(3, proto.Calls([_call(peer, fid, blobs)]))])
+        ((number, calls),) = proto.decode_frame(raw)
+        (call,) = calls.calls
+        assert number == 3
         assert loop.lookup(call) == ("f", fid), step
         assert len(loop) == len(peer) <= 64
     # The hot function was loaded once or a few times, not on every call.
@@ -53,21 +55,28 @@ def test_a_function_that_fails_to_load_keeps_failing_then_loads_when_it_can():
     assert loop.lookup(_call(peer, 7, blobs)) == "seven"
 
 
-def test_messages_round_trip():
+def test_messages_round_trip_in_one_frame_each_with_its_loop():
     calls = [proto.Call(k, 7, None, 0, b"p%d" % k, 0, ()) for k in range(3)]
-    c = proto.decode(proto.encode(proto.Calls(calls)))
-    assert isinstance(c, proto.Calls)
+    sent = [
+        (5, proto.Attach(1234, "tcp://127.0.0.1:1")),
+        (5, proto.Calls(calls)),
+        (9, proto.Results([proto.Result(3, True, b"x", 0.5, False)])),
+        (5, proto.InitFailed(b"e")),
+        (9, proto.STOP),
+        (5, proto.TERMINATE),
+        (9, proto.Gone(proto.Reason.STOPPED)),
+    ]
+    got = proto.decode_frame(proto.encode_frame(sent))
+    assert [loop for loop, _ in got] == [5, 5, 9, 5, 9, 5, 9]
+    assert [type(m) for _, m in got] == [type(m) for _, m in sent]
+    (_, a), (_, c), (_, r), (_, i), (_, stop), (_, term), (_, g) = got
+    assert (a.pid, a.worker) == (1234, "tcp://127.0.0.1:1")
     assert [x.fields() for x in c.calls] == [x.fields() for x in calls]
-    r = proto.decode(
-        proto.encode(proto.Results([proto.Result(3, True, b"x", 0.5, False)]))
-    )
-    assert isinstance(r, proto.Results)
     (r,) = r.results
     assert (r.ckey, r.ok, r.blob, r.seconds, r.last) == (3, True, b"x", 0.5, False)
-    i = proto.decode(proto.encode(proto.InitFailed(b"e")))
-    assert isinstance(i, proto.InitFailed) and i.blob == b"e"
-    assert proto.decode(proto.STOP) is proto.STOP
-    assert proto.decode(proto.TERMINATE) is proto.TERMINATE
+    assert i.blob == b"e"
+    assert stop is proto.STOP and term is proto.TERMINATE
+    assert g.reason == proto.Reason.STOPPED
 
 
 class _Local:

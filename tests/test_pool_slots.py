@@ -28,6 +28,7 @@ from support.wait import wait_for_file, wait_until
 
 import fiber_dask
 from fiber_dask import channel, slots
+from fiber_dask import poolprotocol as proto
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -442,7 +443,13 @@ class _Owner:
         self.server.register(self.service, self._on_connect)
 
     def _on_connect(self, conn, hello):
-        self.conns.append((conn, hello))
+        # A slot process's link carries its one loop, which says Attach first.
+        ((loop, attach),) = proto.decode_frame(conn.recv_bytes())
+        assert isinstance(attach, proto.Attach) and attach.pid == hello["pid"]
+        self.conns.append((conn, dict(hello, slot=loop)))
+
+    def stop(self, conn, hello):
+        conn.send_bytes(proto.encode_frame([(hello["slot"], proto.STOP)]))
 
     def spec(self, slot=0):
         return slots.SlotSpec(
@@ -476,7 +483,7 @@ def test_template_forks_slots_and_reports_their_end():
         assert sorted(h["slot"] for _, h in owner.conns) == [0, 1, 2]
         assert all(psutil.Process(p).ppid() == template.proc.pid for p in pids)
         conn, hello = owner.conns[0]
-        conn.send_bytes(b"S")  # stop: a clean end, reported with its reason
+        owner.stop(conn, hello)  # a clean end, reported with its reason
         [stopped] = [f for f in forks if f.pid == hello["pid"]]
         assert stopped.done.wait(30)
         assert (stopped.code, stopped.reason) == (0, "stopped")

@@ -1,0 +1,344 @@
+"""A worker process's link to a pool's owner, shared by all its loops of that pool.
+
+Thread slots put a hundred loops of one pool in one Dask worker process.  Each
+used to dial the owner and keep a TCP connection, a receiver thread and its
+own socket writes: 1024 slots were 1024 connections into one owner thread,
+1024 writes for a map's first wave and 1024 reads for its answers (issue 15:
+32 us of owner time per write, ~0.35 ms of the worker's CPU per chunk with 256
+threads sharing its GIL).  Now a process has one :class:`Link` per pool::
+
+    owner (PoolEngine)                   Dask worker process
+    ──────────────────                   ───────────────────
+    _Link, its loops {3: ..., 7: ...}    Link ── receiver thread: reads every
+         ◄──── one authenticated ─────►       frame, hands each loop its
+               connection                     messages in order ──► inbox of
+                                              loop 3, of loop 7, ...
+                                         post(): loop threads queue their
+                                         messages; the link's sender thread
+                                         sends all that waits in one frame
+
+* **Joining.**  :func:`attach` finds this process's link to the pool (the
+  pool's channel address and service name) or, for the first loop, dials it
+  (:func:`connect_to_owner`, the authenticated channel with its retries),
+  while the others wait for that one dial.  The loop is routed first, then
+  says ``Attach``; the owner sends it nothing before that.
+* **Sending.**  A loop thread only queues its message; the link's sender
+  thread sends everything waiting, of every loop, in one frame.  A loop
+  thread that sent for itself (or for the others, combining their messages
+  into its frame) waited on the socket and then for the GIL among a hundred
+  busy threads: in a 1024-slot ES map some loops took 30-60 ms to get from
+  one chunk to the next, with the next chunk already in their inbox.  A
+  link with one loop (a slot process) sends in that loop's thread: there is
+  nobody to wait for, and a hand-over would cost each result a thread switch.
+* **Leaving.**  :meth:`Link.detach` says ``Gone`` with the loop's reason; the
+  last loop out hangs the link up.  A link that drops (the owner's exit, a
+  cut connection) ends every loop on it as a ``TERMINATE`` does.  The socket
+  is closed only once the receiver and every loop are done with it, so a
+  descriptor number is never reused under a thread still using it.
+
+A slot process (``fiber.pool.slots: process``) has one loop, so its link
+carries one; the messages are the same (:mod:`fiber_dask.poolprotocol`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from typing import Any, Callable
+
+from . import channel
+from . import poolprotocol as proto
+
+__all__ = ["Link", "attach", "connect_to_owner"]
+
+logger = logging.getLogger("fiber_dask.pool")
+
+#: Seconds a link keeps retrying a handshake the owner dropped (a crowded
+#: gate), with a jittered backoff from 50 ms up to 1 s between attempts.
+_REDIAL_FOR = 60.0
+
+#: Seconds the last loop to leave waits for the sender thread to send what
+#: is queued (its Gone last) before the link is shut down.
+_FLUSH_WAIT = 5.0
+_END = object()  # tells the sender thread to end, after what is queued
+
+Deliver = Callable[[Any], None]
+
+
+def connect_to_owner(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    worker: str | None = None,
+) -> Any:
+    """Connect to the pool's owner: a channel ``Connection``, or the
+    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string).
+
+    A handshake cut by the owner's side (its gate drops the oldest of too
+    many handshakes from one host, as when many workers start together) is
+    tried again, for up to ``_REDIAL_FOR`` seconds; nothing is unpickled
+    before the owner has authenticated, so a retry costs only time.
+    """
+    hello = {"pid": os.getpid(), "worker": worker}
+    deadline = time.monotonic() + _REDIAL_FOR
+    pause = 0.05
+    while True:
+        try:
+            return channel.connect(address, authkey, service, hello=hello)
+        except channel.Unreachable as e:
+            # Not "no-pool": the pool counts this as a failed loop, so that it
+            # fails with an error naming the address instead of starting loops
+            # that cannot connect forever.
+            return f"{proto.Reason.UNREACHABLE}: {e}"
+        except channel.ChannelError:  # the pool is gone (closed): nothing to do
+            return proto.Reason.NO_POOL
+        except (ConnectionResetError, BrokenPipeError, EOFError) as e:
+            # Accepted, then cut during the handshake: a crowded gate.
+            if time.monotonic() > deadline:
+                why = f"the owner kept cutting the handshake ({e!r})"
+                return f"{proto.Reason.UNREACHABLE}: {why}"
+        time.sleep(pause * (0.5 + random.random()))
+        pause = min(1.0, pause * 2)
+
+
+class Link:
+    """This process's connection to one pool's owner (see the module docstring).
+
+    Made by :func:`attach`; a loop uses :meth:`post` and :meth:`detach`.
+    """
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.conn: Any = None
+        #: Set once the dial ended: ``conn`` is open, or ``failure`` says why not.
+        self.ready = threading.Event()
+        self.failure: str | None = None
+        self._routes: dict[int, Deliver] = {}  # loop -> where its messages go
+        self._lock = threading.Lock()  # _routes, _closing, _users
+        self._closing = False  # no loop joins any more
+        #: Threads that may still use the socket: the receiver and each loop
+        #: that joined; the last one to finish closes it.
+        self._users = 1
+        self._send_lock = threading.Lock()  # one frame on the socket at a time
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # for the sender
+        self._sender: threading.Thread | None = None
+        self._broken = False
+
+    def __repr__(self) -> str:
+        return f"<Link {self.key[1]} loops={sorted(self._routes)}>"
+
+    # ------------------------------------------------------------ sending
+
+    def post(self, loop: int, msg: Any) -> None:
+        """Send ``msg`` for ``loop``.  Never raises: a link that cannot send
+        is dropped, and its receiver then ends every loop on it.
+
+        A link with one loop (a slot process) sends in the loop's thread; one
+        with several hands the message to the link's sender thread, which
+        sends all that waits in one frame, so that no loop thread waits on a
+        socket (or for the GIL after it) with its next chunk ready.
+        """
+        if self._sender is None:
+            if len(self._routes) <= 1:
+                with self._send_lock:
+                    self._send([(loop, msg)])
+                return
+            self._start_sender()
+        self._queue.put((loop, msg))
+
+    def _send(self, routed: list) -> None:
+        """Send ``routed`` in one frame (call with the send lock held)."""
+        if self._broken:
+            return
+        try:
+            self.conn.send_bytes(proto.encode_frame(routed))
+        except OSError:
+            self._broken = True
+            _shutdown(self.conn)  # the receiver sees EOF
+
+    def _start_sender(self) -> None:
+        with self._lock:
+            if self._sender is not None:
+                return
+            self._users += 1
+            self._sender = threading.Thread(
+                target=self._send_all, name="fiber-pool-link-send", daemon=True
+            )
+            self._sender.start()
+
+    def _send_all(self) -> None:
+        """The sender thread: everything queued, in frames, until told to end."""
+        q = self._queue
+        try:
+            while True:
+                batch = [q.get()]
+                while True:
+                    try:
+                        batch.append(q.get_nowait())
+                    except queue.Empty:
+                        break
+                done = batch[-1] is _END
+                routed = [m for m in batch if m is not _END]
+                if routed:
+                    with self._send_lock:
+                        self._send(routed)
+                if done:
+                    return
+        finally:
+            self._release()
+
+    # ------------------------------------------------------ joining, leaving
+
+    def _open(self, conn: Any) -> None:
+        self.conn = conn
+        threading.Thread(
+            target=self._receive, name="fiber-pool-link", daemon=True
+        ).start()
+        self.ready.set()
+
+    def _fail(self, reason: str) -> None:
+        with _links_lock:
+            if _links.get(self.key) is self:
+                del _links[self.key]
+        self.failure = reason
+        self._closing = True
+        self.ready.set()
+
+    def _add(self, loop: int, deliver: Deliver) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            self._routes[loop] = deliver
+            self._users += 1
+            return True
+
+    def detach(self, loop: int, reason: str) -> None:
+        """``loop`` ends: tell the owner why (``Gone``); the last loop out
+        stops the sender thread (after what it holds) and hangs the link up."""
+        self.post(loop, proto.Gone(reason))  # before it leaves: the last
+        # loop out then finds every other loop's Gone queued before its own
+        with _links_lock:
+            with self._lock:
+                self._routes.pop(loop, None)
+                empty = not self._routes
+                hang_up = empty and not self._closing  # else it dropped
+                if empty:
+                    self._closing = True
+                    if _links.get(self.key) is self:
+                        del _links[self.key]
+        if empty:
+            sender = self._sender
+            if sender is not None:  # it sends what waits, then ends
+                self._queue.put(_END)
+                sender.join(_FLUSH_WAIT)
+            if hang_up:
+                _shutdown(self.conn)  # the owner and our receiver see EOF
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            done = self._users == 0
+        if done:
+            with self._send_lock:
+                self._broken = True
+                self.conn.close()
+
+    # ------------------------------------------------------------ receiving
+
+    def _receive(self) -> None:
+        """The link's receiver thread: hand each loop its messages, in order;
+        at EOF, hand every loop None (the owner is gone)."""
+        reader = channel.FrameReader(self.conn)
+        routes = self._routes
+        try:
+            while True:
+                try:
+                    frames = reader.frames()
+                except (EOFError, OSError):
+                    break
+                for raw in frames:
+                    for loop, msg in proto.decode_frame(raw):
+                        deliver = routes.get(loop)
+                        if deliver is not None:  # else it has just left
+                            deliver(msg)
+        except Exception:  # pragma: no cover - a bug: end the loops, say why
+            logger.exception("fiber-dask: a pool link failed reading its owner")
+        finally:
+            with _links_lock:
+                with self._lock:
+                    self._closing = True
+                    if _links.get(self.key) is self:
+                        del _links[self.key]
+                    left = list(routes.values())
+            for deliver in left:
+                deliver(None)
+            self._release()
+
+
+_links: dict[tuple, Link] = {}
+_links_lock = threading.Lock()
+
+
+def attach(
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    loop: int,
+    worker: str | None,
+    deliver: Deliver,
+) -> Link | str:
+    """Join loop number ``loop`` to this process's link to the pool
+    ``service`` at ``address``, dialling it if there is none: the
+    :class:`Link`, or the :class:`~fiber_dask.poolprotocol.Reason` text why
+    there is none.
+
+    ``deliver(msg)`` is called on the link's receiver thread with each
+    message for this loop, in order, and with None when the link drops.
+    """
+    key = (tuple(address), service, authkey)
+    while True:
+        with _links_lock:
+            link = _links.get(key)
+            dialler = link is None
+            if dialler:
+                link = _links[key] = Link(key)
+        if dialler:
+            conn: Any = proto.Reason.NO_POOL
+            try:
+                conn = connect_to_owner(address, authkey, service, worker)
+            finally:
+                if isinstance(conn, str):
+                    link._fail(conn)
+                else:
+                    link._open(conn)
+        else:
+            link.ready.wait()
+        if link.failure is not None:
+            return link.failure
+        if link._add(loop, deliver):
+            link.post(loop, proto.Attach(os.getpid(), worker))
+            return link
+        # The link closed in between (its last loop left, or it dropped):
+        # another dial.
+
+
+def _shutdown(conn: Any) -> None:
+    """Shut the socket down both ways without closing it: threads blocked on
+    it wake up (EOF), and its descriptor stays ours until ``close``."""
+    import socket
+
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.close()
