@@ -159,16 +159,29 @@ class _Link:
         self.hello = hello
         self.broken = False
 
-    def send(self, routed: list) -> bool:
-        """Send ``routed`` (``(loop, message)`` pairs) in one frame; False if
-        the connection is gone (the result thread will see its EOF)."""
+    def send(self, routed: list, shared: proto.Shared | None = None) -> bool:
+        """Send ``routed`` (``(loop, message)`` pairs) in one frame, with the
+        arrays their chunks share; False if the connection is gone (the
+        result thread will see its EOF)."""
         if not self.broken:
             try:
-                self.conn.send_bytes(proto.encode_frame(routed))
+                self.conn.send_bytes(proto.encode_frame(routed, shared))
                 return True
             except OSError:
                 self.broken = True
         return False
+
+
+class _Outgoing:
+    """What a dispatch pass sends: each loop's ``Calls`` being filled (lists
+    of ``(Call, chunk)`` pairs), and each link's :class:`~fiber_dask.poolprotocol.Shared`
+    arrays."""
+
+    __slots__ = ("calls", "shared")
+
+    def __init__(self) -> None:
+        self.calls: dict[_Peer, list[list]] = {}
+        self.shared: dict[_Link, proto.Shared] = {}
 
 
 class _Peer:
@@ -512,7 +525,7 @@ class PoolEngine:
             if self.state == TERMINATE or self._released:
                 return
             loads = self._load_index
-            out: dict[_Peer, list[list]] = {}  # peer -> its Calls, being filled
+            out = _Outgoing()
             job, size, depth = None, 0, 1  # the last chunk's depth, reused
             try:
                 while True:
@@ -531,7 +544,7 @@ class PoolEngine:
                             self._elastic.wanted()  # slots given back: ask again
                         return
                     self._add_call(best, chunk, out)
-                    if least == 0 and len(out) >= _START_GROUP:
+                    if least == 0 and len(out.calls) >= _START_GROUP:
                         # Idle loops, many of them (a map opening on 1024
                         # slots): send them their first chunks in groups, not
                         # after the whole pass has pickled every loop's queue
@@ -542,19 +555,20 @@ class PoolEngine:
             finally:
                 self._send_out(out)
 
-    def _send_out(self, out: dict) -> None:
+    def _send_out(self, out: _Outgoing) -> None:
         """Send the ``Calls`` a dispatch pass filled (``out``), one frame per
-        link, and empty it."""
+        link with the arrays its chunks share, and empty it."""
         frames: dict[_Link, list] = {}
-        for peer, batches in out.items():
+        for peer, batches in out.calls.items():
             frames.setdefault(peer.link, []).append((peer, batches))
-        out.clear()
+        shared = out.shared
+        out.calls, out.shared = {}, {}
         for link, sends in frames.items():
             routed = []
             for peer, batches in sends:
                 for batch in batches:
                     routed.append((peer.loop, self._calls(batch)))
-            if link.send(routed):
+            if link.send(routed, shared.get(link)):
                 continue
             # The loops are gone; the result thread will see the link's EOF.
             # These chunks never ran there, so they go back without counting
@@ -643,14 +657,17 @@ class PoolEngine:
             self._fids.popitem(last=False)
         return fid, blob
 
-    def _add_call(self, peer: _Peer, chunk: _Chunk, out: dict) -> None:
+    def _add_call(self, peer: _Peer, chunk: _Chunk, out: _Outgoing) -> None:
         """Put ``chunk`` in the ``Calls`` this pass is filling for ``peer``
         (sent by :meth:`_dispatch` at the end of the pass); it counts as in
         flight there from now, so the next pick sees the loop's new load."""
         job = chunk.job
         try:
             fid, fblob = self._function_blob(job._func)
-            payload = proto.dumps_items(chunk.items)
+            shared = out.shared.get(peer.link)
+            if shared is None:
+                shared = out.shared[peer.link] = proto.Shared()
+            payload = proto.dumps_items(chunk.items, shared)
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
             # caller's get(), as the stdlib reports it.
@@ -668,7 +685,7 @@ class PoolEngine:
             self._retries,
             evict,
         )
-        batches = out.setdefault(peer, [])
+        batches = out.calls.setdefault(peer, [])
         if chunk.alone or not batches or batches[-1][-1][1].alone:
             batches.append([])
         batches[-1].append((call, chunk))

@@ -65,6 +65,7 @@ message and traceback text.
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import sys
 import traceback
@@ -85,6 +86,8 @@ __all__ = [
     "FLUSH_CHUNKS",
     "lost_chunks",
     "dumps_items",
+    "loads_items",
+    "Shared",
     "STOP",
     "TERMINATE",
     "FUNC_CACHE_SIZE",
@@ -156,13 +159,18 @@ class Call:
 
 
 class Calls:
-    """Owner → loop: run these chunks (:class:`Call`), in this order."""
+    """Owner → loop: run these chunks (:class:`Call`), in this order.
 
-    __slots__ = ("calls",)
+    ``shared``: the pickles of the arrays the chunks of its frame share
+    (:class:`Shared`), which their payloads refer to; None if none.
+    """
+
+    __slots__ = ("calls", "shared")
     tag = "C"
 
-    def __init__(self, calls):
+    def __init__(self, calls, shared=None):
         self.calls = calls
+        self.shared = shared
 
     def fields(self) -> tuple:
         return ([c.fields() for c in self.calls],)
@@ -287,11 +295,14 @@ _KINDS = {
 }
 
 
-def encode_frame(routed: list) -> bytes:
+def encode_frame(routed: list, shared: Shared | None = None) -> bytes:
     """One frame of a link: ``routed`` is a list of ``(loop, message)``
-    pairs, pickled as one list of plain tuples ``(loop, tag, *fields)``."""
+    pairs, pickled as one list of plain tuples ``(loop, tag, *fields)``,
+    after the pickles of the arrays its chunks share (``shared``)."""
+    blobs = shared.blobs() if shared is not None else None
     return pickle.dumps(
-        [(loop, msg.tag, *msg.fields()) for loop, msg in routed], protocol=_PROTOCOL
+        (blobs, [(loop, msg.tag, *msg.fields()) for loop, msg in routed]),
+        protocol=_PROTOCOL,
     )
 
 
@@ -302,10 +313,13 @@ def decode_frame(raw: bytes) -> list:
     and values inside stay bytes until the receiver decides to load them.
     """
     kinds = _KINDS
-    return [
-        (loop, kinds[tag].from_fields(*fields))
-        for loop, tag, *fields in pickle.loads(raw)
-    ]
+    blobs, routed = pickle.loads(raw)
+    out = [(loop, kinds[tag].from_fields(*fields)) for loop, tag, *fields in routed]
+    if blobs:
+        for _, msg in out:
+            if type(msg) is Calls:
+                msg.shared = blobs
+    return out
 
 
 def lost_chunks(unanswered: list) -> tuple[list, list]:
@@ -431,28 +445,119 @@ def _plain_array(x: Any) -> bool:
     return False
 
 
-def dumps_items(items: list) -> bytes:
+#: Bytes from which a numpy array in a chunk's items is pickled once per
+#: frame (:class:`Shared`) rather than once per chunk.
+SHARE_BYTES = 1024
+
+
+class Shared:
+    """The large arrays the chunks of one frame share, pickled once.
+
+    The same array in many chunks (an ES ``theta`` sent with every task) was
+    pickled, sent, read and copied once per chunk: 8 KB x 2048 tasks, 16 MB
+    a map, most of the owner's time in a 1024-slot map's first wave.  The
+    chunks' payloads refer to an array of this table by its index (pickle's
+    persistent ids); the frame carries the table once; each chunk still
+    unpickles its own copy, so a task that changes its array in place
+    changes no other task's, as before.
+    """
+
+    __slots__ = ("_index", "objects")
+
+    def __init__(self) -> None:
+        self._index: dict[int, int] = {}
+        self.objects: list = []  # held, so that no id() is reused meanwhile
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    def ref(self, obj: Any) -> int:
+        i = self._index.get(id(obj))
+        if i is None:
+            i = self._index[id(obj)] = len(self.objects)
+            self.objects.append(obj)
+        return i
+
+    def blobs(self) -> list | None:
+        if not self.objects:
+            return None
+        return [pickle.dumps(o, protocol=_PROTOCOL) for o in self.objects]
+
+
+class _SharingPickler(pickle.Pickler):
+    """Plain pickle that leaves the large arrays to the frame's :class:`Shared`."""
+
+    def __init__(self, file: Any, shared: Shared) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self._shared = shared
+
+    def persistent_id(self, obj: Any) -> Any:
+        if _big_array(obj):
+            return self._shared.ref(obj)
+        return None
+
+
+class _SharedUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, blobs: list) -> None:
+        super().__init__(file)
+        self._blobs = blobs
+        self._loaded: dict[int, Any] = {}  # within one chunk, one object
+
+    def persistent_load(self, pid: Any) -> Any:
+        obj = self._loaded.get(pid)
+        if obj is None:
+            obj = self._loaded[pid] = pickle.loads(self._blobs[pid])
+        return obj
+
+
+def _big_array(x: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return (
+        np is not None
+        and type(x) is np.ndarray
+        and x.nbytes >= SHARE_BYTES
+        and not x.dtype.hasobject
+    )
+
+
+def dumps_items(items: list, shared: Shared | None = None) -> bytes:
     """Pickle a chunk's items for the loop.
 
     Items of plain builtin types (and tuples of them, as ``starmap`` sends),
     numpy arrays and scalars of non-object dtypes among them, take plain
     pickle, some 10x faster than cloudpickle for a small chunk; anything else
     takes cloudpickle, which carries classes and functions defined in
-    ``__main__`` by value.  Raises what pickling raises.
+    ``__main__`` by value.  With ``shared`` (the table of the frame this
+    chunk goes in), plain items' arrays of :data:`SHARE_BYTES` or more are
+    left to it.  Raises what pickling raises.
     """
     plain = _PLAIN
+    big = False
     for item in items:
         kind = type(item)
         if kind in plain:
             continue
         if kind is tuple and all(type(x) in plain or _plain_array(x) for x in item):
+            big = big or any(_big_array(x) for x in item)
             continue
         if _plain_array(item):
+            big = big or _big_array(item)
             continue
         import cloudpickle
 
         return cloudpickle.dumps(items, protocol=_PROTOCOL)
+    if big and shared is not None:
+        buf = io.BytesIO()
+        _SharingPickler(buf, shared).dump(items)
+        return buf.getvalue()
     return pickle.dumps(items, protocol=_PROTOCOL)
+
+
+def loads_items(payload: bytes, shared: list | None) -> list:
+    """A chunk's items from its payload and its frame's shared arrays."""
+    if not shared:
+        return pickle.loads(payload)
+    return _SharedUnpickler(io.BytesIO(payload), shared).load()
 
 
 def dumps_value(value: Any) -> bytes:

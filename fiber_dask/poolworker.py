@@ -252,7 +252,7 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
         for i, call in enumerate(calls):
             if loop.stop_now:
                 return proto.Reason.TERMINATED
-            ok, value, secs = _run_chunk(loop, call)
+            ok, value, secs = _run_chunk(loop, call, msg.shared)
             completed += 1
             last = bool(maxtasks) and completed >= maxtasks
             now = clock()
@@ -273,7 +273,9 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
                 return proto.Reason.RECYCLED
 
 
-def _run_chunk(loop: _Loop, call: proto.Call) -> tuple[bool, Any, float]:
+def _run_chunk(
+    loop: _Loop, call: proto.Call, shared: list | None
+) -> tuple[bool, Any, float]:
     """Run one chunk: ``(ok, results or the exception, seconds its items took)``.
 
     The envelope holds only plain types; the function and the arguments are
@@ -284,7 +286,7 @@ def _run_chunk(loop: _Loop, call: proto.Call) -> tuple[bool, Any, float]:
     start = time.perf_counter()
     try:
         func = loop.funcs.lookup(call)
-        items = pickle.loads(call.payload)
+        items = proto.loads_items(call.payload, shared)
         start = time.perf_counter()
         results = loop.call_items(func, call.mode, items, call.retries)
         return True, results, time.perf_counter() - start

@@ -39,3 +39,10 @@ def runs(directory: str, x: int) -> int:
             return len(f.readlines())
     except FileNotFoundError:
         return 0
+
+
+def perturb_in_place(task: tuple) -> float:
+    """An ES-like task that changes the ``theta`` it was sent, in place."""
+    theta, seed = task
+    theta += seed
+    return float(theta.sum())

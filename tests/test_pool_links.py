@@ -21,7 +21,7 @@ import dask
 import psutil
 import pytest
 from distributed import Client, LocalCluster
-from helpers_links import held_square, runs, where
+from helpers_links import held_square, perturb_in_place, runs, where
 from helpers_poolcore import base
 from support.wait import wait_for_file, wait_until
 
@@ -256,6 +256,26 @@ def test_thread_slots_share_one_connection_per_worker_process(threads_client):
         assert len({(p, t) for _, p, t in seen}) == 8  # every slot served
         assert sum(pool.imap_unordered(abs, range(-2000, 0))) == sum(range(1, 2001))
         assert _owner_connections(pool) == 2
+
+
+def test_one_theta_sent_with_every_task_is_each_tasks_own(threads_client):
+    # The frames of a map carry an array its tasks share once (poolprotocol's
+    # Shared); each chunk must still get a copy of its own, and the items of
+    # one chunk one copy between them, as the stdlib pickles a chunk.
+    import multiprocessing
+
+    np = pytest.importorskip("numpy")
+    theta = np.zeros(1000)
+    tasks = [(theta, seed) for seed in range(400)]
+    with fiber_dask.Pool(8, client=threads_client) as pool:
+        wait_until(lambda: _all_up(pool, 8), what="all 8 slots to attach")
+        one = pool.map(perturb_in_place, tasks, chunksize=1)
+        three = pool.map(perturb_in_place, tasks, chunksize=3)
+    assert one == [1000.0 * seed for seed in range(400)]
+    with multiprocessing.get_context("forkserver").Pool(2) as stdlib:
+        assert three == stdlib.map(perturb_in_place, tasks, chunksize=3)
+    assert three != one  # the items of a chunk did share their theta
+    assert not theta.any()
 
 
 def test_sigkill_of_a_worker_process_reruns_the_chunks_of_all_its_slots(

@@ -114,6 +114,54 @@ def test_numpy_items_pickle_plainly_unless_they_hold_objects():
         )
 
 
+def test_an_array_many_chunks_of_a_frame_share_travels_once():
+    np = pytest.importorskip("numpy")
+    theta = np.arange(1000.0)  # 8 KB, as an ES theta
+    shared = proto.Shared()
+    chunks = [[(theta, seed, 1), (theta, seed, -1)] for seed in range(50)]
+    calls = [
+        proto.Call(k, 1, None, 1, proto.dumps_items(items, shared), 0)
+        for k, items in enumerate(chunks)
+    ]
+    assert len(shared) == 1
+    frame = proto.encode_frame(
+        [(k % 5, proto.Calls([c])) for k, c in enumerate(calls)], shared
+    )
+    assert theta.nbytes < len(frame) < 2 * theta.nbytes  # once, not 100 times
+    got = []
+    for _, msg in proto.decode_frame(frame):
+        (call,) = msg.calls
+        got.append(proto.loads_items(call.payload, msg.shared))
+    assert [[(s, sign) for _, s, sign in items] for items in got] == [
+        [(s, 1), (s, -1)] for s in range(50)
+    ]
+    assert all((t == theta).all() for items in got for t, _, _ in items)
+    # Within a chunk the two items hold one array, as pickle's memo gave them;
+    # each chunk its own, so a task that changes it changes no other's.
+    assert got[0][0][0] is got[0][1][0]
+    got[0][0][0][:] = -1
+    assert (got[1][0][0] == theta).all()
+
+
+def test_small_arrays_and_other_items_are_not_shared():
+    import cloudpickle
+
+    np = pytest.importorskip("numpy")
+    shared = proto.Shared()
+    small = np.arange(10.0)  # below SHARE_BYTES
+    blob = proto.dumps_items([(small, 1)], shared)
+    assert blob == pickle.dumps([(small, 1)], pickle.HIGHEST_PROTOCOL)
+    big = np.arange(1000.0)
+    other = [(big, _Local)]  # cloudpickle's path pickles the array within
+    assert proto.dumps_items(other, shared) == cloudpickle.dumps(
+        other, pickle.HIGHEST_PROTOCOL
+    )
+    assert len(shared) == 0
+    assert proto.encode_frame([(1, proto.STOP)], shared) == proto.encode_frame(
+        [(1, proto.STOP)]
+    )
+
+
 def test_lost_chunks_are_those_of_the_oldest_unanswered_calls():
     assert proto.lost_chunks([]) == ([], [])
     # Calls 4 had a, b, c (a answered already: not listed); 5 and 6 never
