@@ -367,3 +367,43 @@ def test_frame_reader_reads_every_waiting_frame_and_keeps_partial_ones():
     with pytest.raises(EOFError):
         reader.frames()
     receiver.close()
+
+
+def test_frame_reader_reassembles_any_split_of_any_frames():
+    """Frames of every size, the byte stream cut anywhere (as TCP may
+    deliver it): each comes out whole, in order, and a buffer grown for a
+    large frame goes back to its size."""
+    import random
+    import selectors
+    import struct
+
+    rng = random.Random(15)
+    sizes = [0, 1, 3, 4, 5, 1000, (1 << 16) - 4, 1 << 16, (1 << 18) + 7, 3 << 20]
+    sizes += [rng.choice(sizes) for _ in range(200)]
+    frames = [rng.randbytes(n) for n in sizes]
+    stream = b"".join(struct.pack("!i", len(f)) + f for f in frames)
+    a, b = socket.socketpair()
+    receiver = Connection(b.detach())
+    reader = channel.FrameReader(receiver)
+
+    def send():
+        pos = 0
+        while pos < len(stream):
+            step = rng.choice((1, 2, 3, 5, 4096, 70000, 1 << 20))
+            a.sendall(stream[pos : pos + step])
+            pos += step
+        a.close()
+
+    t = threading.Thread(target=send)
+    t.start()
+    sel = selectors.DefaultSelector()
+    sel.register(receiver, selectors.EVENT_READ)
+    got: list[bytes] = []
+    with pytest.raises(EOFError):
+        while True:
+            assert sel.select(timeout=30), f"waited 30 s; {len(got)} frames"
+            got.extend(reader.frames())
+    t.join()
+    assert got == frames
+    assert len(reader._buf) == channel._BUFFER
+    receiver.close()
