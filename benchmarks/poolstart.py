@@ -64,7 +64,7 @@ def slot_task(seconds: float) -> tuple[float, int, int]:
 
 def _install() -> int:
     """In a worker: wrap the functions that mark the loop's phases."""
-    from fiber_dask import channel, poolworker
+    from fiber_dask import channel, poolworker, slottask
 
     if getattr(poolworker, "_probe_installed", False):
         _stamps.clear()
@@ -85,6 +85,7 @@ def _install() -> int:
 
     stamped_connect.__wrapped__ = connect
     poolworker.serve_slot = stamped_serve_slot
+    slottask.serve_slot = stamped_serve_slot  # the name the Dask task calls
     channel.connect = stamped_connect
     return os.getpid()
 
