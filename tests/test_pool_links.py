@@ -14,6 +14,9 @@ import functools
 import os
 import queue
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 
@@ -26,7 +29,7 @@ from helpers_poolcore import base
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import channel, poollink
+from fiber_dask import channel, poollink, security
 from fiber_dask import poolprotocol as proto
 
 pytestmark = pytest.mark.timeout(120)
@@ -278,6 +281,37 @@ def test_one_theta_sent_with_every_task_is_each_tasks_own(threads_client):
     assert not theta.any()
 
 
+def test_junk_on_an_authenticated_link_does_not_stop_the_pool(threads_client, caplog):
+    # Strangers cannot get this far (the handshake; tests/test_stalled_peers);
+    # a peer that knows the key but speaks nonsense (a bug, a version skew)
+    # costs a logged error, not the pool.
+    with fiber_dask.Pool(8, client=threads_client) as pool:
+        wait_until(lambda: _all_up(pool, 8), what="all 8 slots to attach")
+        e = pool._engine
+        conn = channel.connect(
+            e._server.address, security.authkey(), e._service, hello={"pid": 1}
+        )
+        try:
+            conn.send_bytes(b"\x80\x05junk")  # not a pickle
+            conn.send_bytes(proto.encode_frame([(10**6, proto.Gone("x"))]))
+            conn.send_bytes(
+                proto.encode_frame(
+                    [(10**6, proto.Results([proto.Result(1, True, b"", 0, False)]))]
+                )
+            )
+            assert pool.map(abs, range(-300, 0)) == list(range(300, 0, -1))
+            wait_until(
+                lambda: "error decoding a pool message" in caplog.text,
+                what="the junk to be logged",
+            )
+        finally:
+            channel.hangup(conn)
+        assert pool.map(abs, range(-300, 0)) == list(range(300, 0, -1))
+        wait_until(
+            lambda: _owner_connections(pool) == 2, what="the junk link to be dropped"
+        )
+
+
 def test_sigkill_of_a_worker_process_reruns_the_chunks_of_all_its_slots(
     threads_client, tmp_path
 ):
@@ -338,3 +372,67 @@ def test_idle_thread_slots_are_given_back_and_the_link_with_them(threads_client)
         assert pool.map(abs, range(-40, 0), chunksize=1) == list(range(40, 0, -1))
         assert 1 <= _owner_connections(pool) <= 2
         assert e._losses == [] and e._loop_failures == 0
+
+
+OWNER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import dask
+    import fiber_dask
+
+    def spin(path):
+        open(path, "w").close()
+        for _ in range(36000):  # Python between the sleeps: interruptible
+            time.sleep(0.1)
+
+    if __name__ == "__main__":
+        address, directory = sys.argv[1], sys.argv[2]
+        dask.config.set({"fiber.pool.slots": "thread"})
+        pool = fiber_dask.Pool(8, address=address)
+        results = [
+            pool.apply_async(spin, (os.path.join(directory, f"spin-{i}"),))
+            for i in range(8)
+        ]
+        time.sleep(3600)
+    """
+)
+
+
+def _link_threads_in_workers(client):
+    def names():
+        return [t.name for t in threading.enumerate() if "fiber-pool" in t.name]
+
+    return {w: v for w, v in client.run(names).items() if v}
+
+
+def test_a_killed_owner_ends_every_thread_slot_and_its_link(threads_client, tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), str(tmp_path)]))
+    owner = subprocess.Popen(
+        [sys.executable, str(script), threads_client.scheduler.address, str(tmp_path)],
+        env=env,
+    )
+    try:
+        for i in range(8):
+            wait_for_file(os.path.join(str(tmp_path), f"spin-{i}"), timeout=60)
+        assert sum(map(len, threads_client.processing().values())) == 8
+        assert _link_threads_in_workers(threads_client)
+        owner.kill()
+        owner.wait(timeout=10)
+        # The links drop: every loop's task is interrupted and ends, and the
+        # links' threads with them; the workers' threads are free again.
+        wait_until(
+            lambda: not any(threads_client.processing().values()),
+            timeout=30,
+            what="the dead owner's loops to leave the workers",
+        )
+        wait_until(
+            lambda: not _link_threads_in_workers(threads_client),
+            timeout=30,
+            what="the links' threads to end",
+        )
+        assert threads_client.submit(abs, -3, pure=False).result(timeout=30) == 3
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
