@@ -6,6 +6,8 @@ import os
 import threading
 import time
 
+from helpers_poolcore import _log, mark_started
+
 
 def where(x: int) -> tuple[int, int, int]:
     """``x`` and the process and thread that ran it."""
@@ -13,32 +15,16 @@ def where(x: int) -> tuple[int, int, int]:
 
 
 def held_square(x: int, directory: str) -> int:
-    """``x * x``.  Its first execution writes ``started-<x>`` (this pid) and
-    waits for the file ``release``; every execution appends a line to
-    ``runs-<x>``, so a test counts them."""
-    path = os.path.join(directory, f"runs-{x}")
-    with open(path, "a") as f:
-        f.write(f"{os.getpid()}\n")
-    with open(path) as f:
-        first = len(f.readlines()) == 1
-    if first:
-        tmp = os.path.join(directory, f".started-{x}")
-        with open(tmp, "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(tmp, os.path.join(directory, f"started-{x}"))
+    """``x * x``.  Every execution is logged (``helpers_poolcore.executions``
+    counts them); the first writes ``started-<x>`` (this pid) and waits for
+    the file ``release``."""
+    if _log(directory, x) == 0:
+        mark_started(directory, x)
         release = os.path.join(directory, "release")
         deadline = time.monotonic() + 60
         while not os.path.exists(release) and time.monotonic() < deadline:
             time.sleep(0.01)
     return x * x
-
-
-def runs(directory: str, x: int) -> int:
-    try:
-        with open(os.path.join(directory, f"runs-{x}")) as f:
-            return len(f.readlines())
-    except FileNotFoundError:
-        return 0
 
 
 def perturb_in_place(task: tuple) -> float:

@@ -30,15 +30,20 @@ def _log(directory: str, x: int) -> int:
         return len(f.readlines()) - 1
 
 
+def mark_started(directory: str, x: int) -> None:
+    """Write the started marker ``started-<x>`` holding this pid, at once."""
+    tmp = os.path.join(directory, f".started-{x}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(directory, f"started-{x}"))
+
+
 def counted_square(x, directory, victims=()):
     """``x * x``; on the first execution of an item in ``victims``, write the
     started marker ``started-<x>`` (with this pid) and wait to be killed."""
     before = _log(directory, x)
     if x in victims and before == 0:
-        tmp = os.path.join(directory, f".started-{x}")
-        with open(tmp, "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(tmp, os.path.join(directory, f"started-{x}"))
+        mark_started(directory, x)
         time.sleep(120)
     return x * x
 

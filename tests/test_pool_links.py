@@ -24,8 +24,8 @@ import dask
 import psutil
 import pytest
 from distributed import Client, LocalCluster
-from helpers_links import held_square, perturb_in_place, runs, where
-from helpers_poolcore import base
+from helpers_links import held_square, perturb_in_place, where
+from helpers_poolcore import base, executions
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
@@ -335,7 +335,7 @@ def test_sigkill_of_a_worker_process_reruns_the_chunks_of_all_its_slots(
         open(os.path.join(d, "release"), "w").close()
         assert result.get(timeout=60) == [x * x for x in range(8)]
         # Exactly its four items ran again, and the pool counted them.
-        assert {x: runs(d, x) for x in range(8)} == {
+        assert {x: executions(d, x) for x in range(8)} == {
             x: 2 if x in lost else 1 for x in range(8)
         }
         assert pool._engine._stats.reruns == 4
