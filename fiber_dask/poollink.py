@@ -181,7 +181,7 @@ class Link:
                         batch.append(q.get_nowait())
                     except queue.Empty:
                         break
-                done = batch[-1] is _END
+                done = any(m is _END for m in batch)
                 routed = [m for m in batch if m is not _END]
                 if routed:
                     with self._send_lock:
@@ -308,14 +308,17 @@ def attach(
             if dialler:
                 link = _links[key] = Link(key)
         if dialler:
-            conn: Any = proto.Reason.NO_POOL
             try:
                 conn = connect_to_owner(address, authkey, service, worker)
-            finally:
-                if isinstance(conn, str):
-                    link._fail(conn)
-                else:
-                    link._open(conn)
+            except BaseException as e:
+                # A wrong key, a TLS mismatch: this loop's task fails with
+                # it, and every loop waiting for this dial fails counted.
+                link._fail(f"{proto.Reason.UNREACHABLE}: dialling the owner: {e!r}")
+                raise
+            if isinstance(conn, str):
+                link._fail(conn)
+            else:
+                link._open(conn)
         else:
             link.ready.wait()
         if link.failure is not None:

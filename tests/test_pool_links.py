@@ -208,6 +208,40 @@ def test_every_loop_waiting_for_an_unreachable_owner_gets_the_reason():
     assert "cannot reach the fiber-dask channel" in got[0]
 
 
+def test_a_dial_with_the_wrong_key_fails_every_loop_that_waited_for_it(owner):
+    from multiprocessing import AuthenticationError
+
+    got = []
+    start = threading.Barrier(4)
+
+    def join(n):
+        start.wait()
+        try:
+            got.append(
+                poollink.attach(
+                    owner.server.address, b"w" * 32, owner.service, n, None, print
+                )
+            )
+        except AuthenticationError as e:
+            got.append(e)
+
+    threads = [threading.Thread(target=join, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 4
+    raised = [g for g in got if isinstance(g, AuthenticationError)]
+    waited = [g for g in got if isinstance(g, str)]
+    assert raised and len(raised) + len(waited) == 4
+    # Counted as failures by the pool (not "no-pool"), naming the cause.
+    assert all(
+        w.startswith(proto.Reason.UNREACHABLE) and "AuthenticationError" in w
+        for w in waited
+    ), waited
+    assert not poollink._links  # nothing left behind to join later
+
+
 # --------------------------------------------------------- pools of threads
 
 
