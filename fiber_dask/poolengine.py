@@ -338,6 +338,9 @@ class PoolEngine:
         self._lock = threading.RLock()
         self._jobs: collections.deque = collections.deque()  # jobs with chunks to make
         self._retry: collections.deque = collections.deque()  # chunks to send first
+        #: (chunk, error) of chunks that could not be pickled, for the result
+        #: thread to settle (see _add_call).
+        self._unsendable: collections.deque = collections.deque()
         self._cache: set = set()  # unfinished jobs
         self._links: set[_Link] = set()  # connected worker processes
         #: (link, loop number) -> its peer: a loop Dask re-ran elsewhere
@@ -670,9 +673,14 @@ class PoolEngine:
             payload = proto.dumps_items(chunk.items, shared)
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
-            # caller's get(), as the stdlib reports it.
+            # caller's get(), as the stdlib reports it.  Settled by the result
+            # thread, not here: settling runs the job's error_callback, which
+            # may submit work, and a dispatch pass inside this one would send
+            # its frames before this pass's (out of the order the loops'
+            # function records follow).
             self._stats.failed += 1
-            self._settle(chunk, False, e)
+            self._unsendable.append((chunk, e))
+            self._wake()
             return
         ckey = next(self._ckeys)
         send_blob, evict = peer.funcs.use(fid)
@@ -841,6 +849,12 @@ class PoolEngine:
                 self._on_messages(arrived)
             except Exception:  # never let one bad message kill the pool
                 logger.exception("fiber-dask: error handling a pool message")
+        while self._unsendable:
+            chunk, err = self._unsendable.popleft()
+            try:
+                self._settle(chunk, False, err)
+            except Exception:  # one failing callback must not drop the others
+                logger.exception("fiber-dask: error settling a pool result")
         for peer in lost:  # after what it sent before it left
             self._peer_lost(peer)
         for link in dropped:

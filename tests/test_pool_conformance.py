@@ -494,6 +494,31 @@ def test_unpicklable_argument_raises_type_error(ctx):
         assert pool.map(square, range(N)) == SQUARES
 
 
+def test_error_callback_of_an_unpicklable_argument_may_submit_more_work(ctx):
+    # stdlib: the error reaches error_callback on a pool thread (its task
+    # handler), which may submit more work; fiber-dask's result thread too,
+    # never inside the caller's submission (where a submission from the
+    # callback would send before the work being sent).
+    with ctx.Pool(2) as pool:
+        assert pool.map(square, range(N)) == SQUARES  # slots up and idle
+        calls, follow, done = [], [], threading.Event()
+
+        def on_error(e):
+            calls.append(
+                (type(e), threading.current_thread() is threading.main_thread())
+            )
+            follow.append(pool.apply_async(square, (7,)))
+            done.set()
+
+        res = pool.apply_async(identity, (threading.Lock(),), error_callback=on_error)
+        with pytest.raises(TypeError, match="pickle"):
+            res.get(timeout=30)
+        assert done.wait(30)
+        assert calls == [(TypeError, False)]
+        assert follow[0].get(timeout=30) == 49
+        assert pool.map(square, range(N)) == SQUARES
+
+
 def test_non_callable_raises_type_error_at_get(ctx):
     # stdlib does not validate ``func``: the worker's call fails and the TypeError
     # comes back through the result.
