@@ -519,7 +519,8 @@ class FrameReader:
         if len(self._buf) - self._end >= room:
             return
         if unread + room <= len(self._buf):
-            self._buf[:unread] = self._view[self._start : self._end]
+            # memoryview copies move overlapping ranges safely (memmove)
+            self._view[:unread] = self._view[self._start : self._end]
         else:
             self._resize(unread + room, keep=(self._start, self._end))
         self._start, self._end = 0, unread
