@@ -221,6 +221,11 @@ def serve_slot(
         return reason
     except _Terminated:  # arrived between serve's return and here
         return reason
+    except KeyboardInterrupt:
+        # SIGINT in a slot process: it ends, as a stdlib pool worker does
+        # (the process prints it); the owner re-runs its chunks.
+        reason = proto.Reason.INTERRUPTED
+        raise
     finally:
         link.detach(slot, reason)
 

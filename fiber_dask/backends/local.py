@@ -104,10 +104,11 @@ class LocalBackend(Backend):
         if show_dashboard:
             # Built by the first request for a page, not before the workers start.
             extra["scheduler_kwargs"] = dashboard.defer(extra["scheduler_kwargs"])
-        if fork_server is not None:
-            from .workerstart import nanny_class
+        # Always our nanny: its worker processes ignore a terminal's SIGINT
+        # (workerstart._Process), forked by the server or started Dask's way.
+        from .workerstart import nanny_class
 
-            extra["worker_class"] = nanny_class(fork_server)
+        extra["worker_class"] = nanny_class(fork_server)
         with early, dask.config.set(timers):  # the scheduler and nannies
             cluster = LocalCluster(
                 n_workers=0 if adaptive else n_workers,

@@ -38,6 +38,13 @@ method`` is set to something other than ``spawn``, nor with
 ``fiber.local.worker-start: spawn``.  If the server cannot be started or dies,
 a worker is spawned instead, and a later start tries a fresh server.
 
+However it starts, an embedded worker process is a :class:`_Process`, which
+ignores SIGINT: a terminal's Ctrl-C and Jupyter's "interrupt kernel" signal
+the whole process group, and are meant for the program and its tasks (slot
+processes and ``Process`` children take them, as the stdlib's pool workers and
+children do), not for the cluster under them.  A Dask worker that took one
+closed itself and its nanny, for good.
+
 The server lives while the owner or any of its workers does (the stdlib's
 "alive" pipe: a SIGKILLed owner takes its nannies, whose workers then exit,
 and with them the server), and is stopped and reaped, with a deadline, when
@@ -53,6 +60,7 @@ import io
 import logging
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -97,8 +105,8 @@ PRELOAD = [
 #: workers are gone, before it kills it.
 STOP_GRACE = 2.0
 
-# The server the nanny starting a process now belongs to (set by Nanny.instantiate).
-_current: contextvars.ContextVar[WorkerForkServer | None] = contextvars.ContextVar(
+# The context of the nanny starting a process now (set by Nanny.instantiate).
+_current: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
     "fiber_dask_worker_fork_server", default=None
 )
 
@@ -153,6 +161,8 @@ class WorkerForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     cmd = (
+                        # SIGINT ignored before the imports (serve() says why)
+                        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                         "from fiber_dask.backends.workerstart import serve; "
                         f"serve({listener.fileno()}, {alive_r})"
                     )
@@ -246,6 +256,10 @@ def serve(listener_fd: int, alive_r: int) -> None:
     """
     from multiprocessing import process
 
+    # Ignored from the command line on, before fiber_dask is imported (the
+    # stdlib's forkserver loop ignores it too, but only once it runs): a
+    # terminal's Ctrl-C during the imports would end the server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
         prep, preload = pickle.load(sys.stdin.buffer)
@@ -327,9 +341,11 @@ class _Process(context.ForkServerProcess):
                     "processes instead",
                     why,
                 )
-        from multiprocessing import popen_spawn_posix
+        # Dask's own way (spawn unless distributed.worker.multiprocessing-
+        # method says otherwise); run() below still runs in the child.
+        import multiprocessing
 
-        return popen_spawn_posix.Popen(process_obj)
+        return multiprocessing.get_context(_dask_method()).Process._Popen(process_obj)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -337,6 +353,15 @@ class _Process(context.ForkServerProcess):
         return state
 
     def run(self) -> None:
+        # A terminal's Ctrl-C and Jupyter's interrupt signal the whole process
+        # group, this worker included: it is for the program and its tasks,
+        # not for the cluster under them.  A worker that took it closed itself
+        # and told its nanny to close too (distributed's Worker.close(nanny=
+        # True)): the cluster was gone for good and the next map hung.  With
+        # SIGINT ignored here, asyncio.run installs no handler of its own; the
+        # slot processes and Process children put the default back (the
+        # stdlib's pool workers and children do take the interrupt).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if self._environ is not None:
             os.environ.clear()
             os.environ.update(self._environ)
@@ -361,10 +386,19 @@ class _Process(context.ForkServerProcess):
         super().run()
 
 
-class _Context(context.ForkServerContext):
-    """A multiprocessing context whose processes come from one server."""
+def _dask_method() -> str:
+    """The start method Dask's nannies use (its config), for a worker the
+    server does not fork."""
+    import dask
 
-    def __init__(self, server: WorkerForkServer) -> None:
+    return dask.config.get("distributed.worker.multiprocessing-method", "spawn")
+
+
+class _Context(context.ForkServerContext):
+    """A multiprocessing context whose processes come from one server, or
+    from Dask's start method where there is none (``server`` None)."""
+
+    def __init__(self, server: WorkerForkServer | None) -> None:
         self.server = server
 
     def Process(self, *args: Any, **kwargs: Any) -> _Process:  # noqa: N802
@@ -410,13 +444,12 @@ def _spawn_env() -> dict[str, str]:
 def start() -> WorkerForkServer | None:
     """Start a server for the embedded cluster's workers now, or None where
     workers should be spawned (configured so, or it cannot start)."""
-    import dask
 
     from .. import config
 
     if config.get("local.worker-start") != "forkserver":
         return None
-    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") != "spawn":
+    if _dask_method() != "spawn":
         return None  # the user chose Dask's method; keep it
     if not hasattr(socket, "AF_UNIX") or not context.reduction.HAVE_SEND_HANDLE:
         return None
@@ -432,12 +465,13 @@ def start() -> WorkerForkServer | None:
 
 
 class _NannyMixin:
-    """What :class:`Nanny` adds: its process starts use its server."""
+    """What :class:`Nanny` adds: its worker processes are :class:`_Process`
+    (forked by its server, if it has one that is alive)."""
 
-    fork_server: WorkerForkServer | None = None
+    worker_context: _Context
 
     async def instantiate(self) -> Any:
-        token = _current.set(self.fork_server)
+        token = _current.set(self.worker_context)
         try:
             return await super().instantiate()  # type: ignore[misc]
         finally:
@@ -446,10 +480,8 @@ class _NannyMixin:
 
 def _get_mp_context_for(original: Any) -> Any:
     def get_mp_context() -> Any:
-        server = _current.get()
-        if server is not None and server.alive():
-            return server.context
-        return original()
+        ctx = _current.get()
+        return original() if ctx is None else ctx
 
     get_mp_context.__wrapped__ = original  # type: ignore[attr-defined]
     return get_mp_context
@@ -459,8 +491,9 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def nanny_class(server: WorkerForkServer) -> type:
-    """A ``distributed.Nanny`` whose worker processes ``server`` forks."""
+def nanny_class(server: WorkerForkServer | None) -> type:
+    """A ``distributed.Nanny`` whose worker processes are :class:`_Process`,
+    forked by ``server`` (or started Dask's way while there is none)."""
     global _installed
     import distributed.nanny
     import distributed.process
@@ -475,6 +508,7 @@ def nanny_class(server: WorkerForkServer) -> type:
                 mod.get_mp_context = _get_mp_context_for(mod.get_mp_context)
             _installed = True
 
+    ctx = server.context if server is not None else _Context(None)
     return type(
-        "Nanny", (_NannyMixin, distributed.nanny.Nanny), {"fork_server": server}
+        "Nanny", (_NannyMixin, distributed.nanny.Nanny), {"worker_context": ctx}
     )
