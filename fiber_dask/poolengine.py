@@ -199,6 +199,7 @@ class _Peer:
         "broken",
         "filed",
         "last_active",
+        "interrupted",
     )
 
     def __init__(self, link: _Link, loop: int, hello: proto.Attach):
@@ -216,6 +217,9 @@ class _Peer:
         self.filed: int | None = None  # its key in PoolEngine._load_index, if any
         #: When it connected or last sent a result (poolelastic: idle since).
         self.last_active = time.monotonic()
+        #: It left saying SIGINT ended it (Reason.INTERRUPTED): the user's
+        #: Ctrl-C, not a failure worth a warning.
+        self.interrupted = False
 
 
 class PoolSlot:
@@ -482,6 +486,14 @@ class PoolEngine:
         for job in jobs:
             job._fail(err)
         self._wake()
+
+    def cancel(self, job, exc: BaseException) -> None:
+        """Nobody will take ``job``'s result (its blocking caller was
+        interrupted): finish it with ``exc`` now, so that no more of its
+        chunks are sent, nor re-run when their loop is lost; chunks running
+        finish where they run, and their results are dropped."""
+        if not job._finished:
+            job._fail(exc)
 
     def abandon(self) -> None:
         """The pool object was dropped while running: let it go without
@@ -839,6 +851,7 @@ class PoolEngine:
                     if peer is None:
                         continue  # told to stop as it attached
                     if isinstance(msg, proto.Gone):
+                        peer.interrupted = msg.reason == proto.Reason.INTERRUPTED
                         lost.append(peer)
                     elif self.state != TERMINATE:  # else nobody waits for it
                         arrived.append((peer, msg))
@@ -996,11 +1009,12 @@ class PoolEngine:
             self._stats.rerun(rerun, len(failed))
             self._retry.extendleft(reversed(back))
             if back:
-                logger.warning(
-                    "fiber-dask: a pool worker (%s, pid %s) died; re-running %d "
-                    "chunk(s)",
+                logger.log(
+                    logging.INFO if peer.interrupted else logging.WARNING,
+                    "fiber-dask: a pool worker (%s, pid %s) %s; re-running %d chunk(s)",
                     peer.worker,
                     peer.pid,
+                    "was interrupted (SIGINT)" if peer.interrupted else "died",
                     len(back),
                 )
             storm = None

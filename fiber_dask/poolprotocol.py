@@ -126,9 +126,13 @@ class Reason:
     INIT_FAILED = "initializer-failed"
     NO_POOL = "no-pool"  # the pool was gone when the loop connected
     UNREACHABLE = "unreachable"  # prefix: the owner could not be reached
+    #: SIGINT in the slot process (a terminal's Ctrl-C, Jupyter's interrupt,
+    #: which signal the whole process group): it ends, as a stdlib pool
+    #: worker does, and its chunks go again without a warning.
+    INTERRUPTED = "interrupted"
 
     #: Endings that are not a failure of the loop.
-    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL})
+    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED})
 
 
 class Call:
