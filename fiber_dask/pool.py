@@ -232,7 +232,19 @@ class Pool(PoolEngine):
         self, func: Callable, args: Iterable = (), kwds: dict | None = None
     ) -> Any:
         """Call ``func(*args, **kwds)`` in a worker and return its result."""
-        return self.apply_async(func, args, kwds).get()
+        return self._wait(self.apply_async(func, args, kwds))
+
+    def _wait(self, job: Any) -> Any:
+        """The result of a blocking call's ``job``.  If the wait ends in an
+        exception instead (Ctrl-C: KeyboardInterrupt), nobody can ever get
+        the result, so the job is cancelled: its chunks not yet sent are
+        dropped and those lost with an interrupted slot are not re-run (the
+        stdlib runs them on in the background, ahead of the next map)."""
+        try:
+            return job.get()
+        except BaseException as e:
+            self._engine.cancel(job, e)
+            raise
 
     def apply_async(self, func, args=(), kwds=None, callback=None, error_callback=None):
         """Asynchronous :meth:`apply`: returns an :class:`AsyncResult`."""
@@ -251,11 +263,11 @@ class Pool(PoolEngine):
         (:func:`fiber_dask.poolresults.measured_chunksize`; docs/scale.md);
         a given ``chunksize`` is used as the stdlib uses it.
         """
-        return self._map_async(func, iterable, 0, chunksize).get()
+        return self._wait(self._map_async(func, iterable, 0, chunksize))
 
     def starmap(self, func, iterable, chunksize=None):
         """Like :meth:`map`, with each item unpacked as arguments: ``func(*item)``."""
-        return self._map_async(func, iterable, 1, chunksize).get()
+        return self._wait(self._map_async(func, iterable, 1, chunksize))
 
     def map_async(
         self, func, iterable, chunksize=None, callback=None, error_callback=None
