@@ -3,13 +3,13 @@
 A ``Process`` (:mod:`fiber_dask.process`, the parent's side) submits
 :func:`run_launcher` as one Dask task; it runs in a Dask worker process,
 connects back to the parent over the authenticated channel, starts the child
-(``python -m fiber_dask.processchild``) and relays for it::
+(``python -c`` :data:`fiber_dask.processchild.BOOT`) and relays for it::
 
     Dask worker process                                 worker host
     ───────────────────                                 ───────────
     run_launcher ── connect, HMAC ──► parent's channel
       ◄── ("payload", blob) ────────
-      Popen(python -m fiber_dask.processchild) ───────► child: reads the
+      Popen(python -c processchild.BOOT) ─────────────► child: reads the
       ── ("started", pid) ──────────►                     payload on stdin,
       ── ("out"|"err", bytes) ──────► ◄── pumps ───────── runs
       ◄── ("signal", signum) ──────── os.kill(child)       BaseProcess._bootstrap
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import channel
-from .processchild import PARENT_LOST
+from .processchild import BOOT, PARENT_LOST
 
 __all__ = [
     "LaunchResult",
@@ -245,7 +245,7 @@ def _launch(
         env["FIBER_DASK_TRACKER_FD"] = str(tracker_fd)
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "fiber_dask.processchild"],
+            [sys.executable, "-c", BOOT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

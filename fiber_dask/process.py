@@ -10,8 +10,8 @@ How a Process runs::
       client.submit(run_launcher) ───► run_launcher (one Dask task,
                                          seceded from the thread pool)
       _on_connect ◄── connect, HMAC ──── channel.connect
-      ── ("payload", blob) ────────────► Popen(python -m
-                                           fiber_dask.processchild) ──► child: reads the
+      ── ("payload", blob) ────────────► Popen(python -c
+                                           processchild.BOOT) ────────► child: reads the
       ◄── ("started", pid) ─────────────                                  payload on stdin,
       ◄── ("out"|"err", bytes) ───────── pumps the child's stdout/err ◄── runs
       ── ("signal", signum) ───────────► os.kill(child)                   BaseProcess._bootstrap

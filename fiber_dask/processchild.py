@@ -1,4 +1,4 @@
-"""The child bootstrap of a fiber-dask ``Process``: ``python -m fiber_dask.processchild``.
+"""The child bootstrap of a fiber-dask ``Process``: ``python -c`` :data:`BOOT`.
 
 Started by the launcher (``fiber_dask.launcher.run_launcher``) inside a Dask
 worker.  Protocol on stdin: an 8-byte big-endian length, then a pickled
@@ -29,6 +29,12 @@ _PR_SET_PDEATHSIG = 1
 
 # Sent by the launcher on the child's stdin when the parent's connection drops.
 PARENT_LOST = b"P"
+
+#: The launcher runs ``python -c BOOT``, not ``python -m
+#: fiber_dask.processchild``: importing the package imports this module too
+#: (through the launcher), and runpy then warns on the child's stderr, where
+#: the stdlib's child prints nothing.
+BOOT = "import sys; from fiber_dask.processchild import main; sys.exit(main())"
 
 
 def _die_with_parent() -> None:
@@ -149,6 +155,11 @@ def main() -> int:
     proc.__dict__.update(state)
     proc._config = config
     proc._popen = None
+    # SIGINT as a stdlib child has it (KeyboardInterrupt), whatever the
+    # launcher's worker process does with it (the embedded cluster's ignore
+    # it, which an exec passes on): a terminal's Ctrl-C, or Jupyter's
+    # interrupt, reaches this child as it reaches the stdlib's.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The stdlib's own bootstrap: it makes ``proc`` the current process, sets
     # parent_process(), closes stdin, runs run() and maps its outcome to the
     # exit code exactly as multiprocessing does.

@@ -77,7 +77,7 @@ Where it is installed
 * any worker, including those of an existing cluster or a Kubernetes one, and workers
   added later by adaptive scaling: a worker plugin (:func:`worker_plugin`) registered
   for the run; it also sets :data:`ENV_VAR` in the worker;
-* children of ``fiber_dask.Process`` (``python -m fiber_dask.processchild``): they
+* children of ``fiber_dask.Process`` (:mod:`fiber_dask.processchild`): they
   inherit :data:`ENV_VAR` from their worker and call :func:`install_from_environ`
   before loading the process object.
 
