@@ -39,6 +39,7 @@ import dask
 import pytest
 import yaml
 from support import slurm as slurm_support  # noqa: E402
+from support.interrupts import terminal_python  # noqa: E402
 from support.wait import wait_for_file, wait_until  # noqa: E402
 
 from fiber_dask import config  # noqa: E402
@@ -728,6 +729,6 @@ def test_using_a_batch_backend_keeps_the_programs_ctrl_c() -> None:
         "signal.getsignal(signal.SIGINT)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        terminal_python("-c", code), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from support.interrupts import python_sigint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -337,7 +338,7 @@ def interrupt_soon(cond, pid):
 
 def test_condition_wait_interrupted_keeps_the_lock(ctx):
     cond = ctx.Condition()
-    with cond:
+    with python_sigint(), cond:
         p = ctx.Process(target=interrupt_soon, args=(cond, os.getpid()))
         p.start()
         assert cond.wait(30)
