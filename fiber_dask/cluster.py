@@ -450,7 +450,11 @@ def claim_slots(handle: ClusterHandle, n: int) -> SlotClaim:
         _slots_in_use[key] = needed = _slots_in_use.get(key, 0) + n
         _live_claims.add(claim)
     # Attached processes (a manager's server, a child) claim with the owner.
-    ensure_slots(handle, needed + peerslots.peer_slots())
+    try:
+        ensure_slots(handle, needed + peerslots.peer_slots())
+    except BaseException:  # it cannot grow that far: the claim was never made
+        claim.release()
+        raise
     peerslots.tell_owner(handle, claim, n)
     return claim
 

@@ -7,6 +7,7 @@ import multiprocessing
 
 __all__ = [
     "BrokenProcessPool",
+    "ClusterCapacityError",
     "ClusterConnectionError",
     "ManagerConnectionError",
     "PoolTerminatedError",
@@ -52,6 +53,14 @@ class RemoteTaskError(multiprocessing.ProcessError):
             f"{self.type_name}: {self.message} (raised in a pool worker; the "
             "exception could not be rebuilt here, see the remote traceback)"
         )
+
+
+class ClusterCapacityError(OSError):
+    """A pool asked for more slots than the cluster fiber-dask started can ever
+    hold (``Pool(10**6)`` on the embedded cluster): more memory, processes or
+    file descriptors than this machine gives.  Raised at once by ``Pool()``,
+    where the stdlib's ``Pool`` fails with an ``OSError`` when it cannot fork;
+    the message says which limit and what to change."""
 
 
 class ClusterConnectionError(ConnectionError):

@@ -406,7 +406,13 @@ class PoolEngine:
             functools.partial(_on_connect, weakref.ref(self)),
             inline=True,
         )
-        self._claim = cluster.claim_slots(self._handle, self.processes)
+        try:
+            # Refuses, at once, a pool the cluster can never start.
+            self._claim = cluster.claim_slots(self._handle, self.processes)
+        except BaseException:
+            self.state = TERMINATE
+            self._release()
+            raise
         self.state = RUN
         _live.add(self)
         try:

@@ -360,3 +360,41 @@ def test_backend_is_abstract():
     for cls in (Backend, NoStart):
         with pytest.raises(TypeError, match="abstract"):
             cls()
+
+
+def test_a_pool_the_embedded_cluster_can_never_start_is_refused_at_once(tmp_path):
+    # Pool(10**6) started scaling, returned after 42 s at 3.4 GB and never ran
+    # a task; the stdlib fails with an OSError when it cannot fork.  Refused
+    # before anything starts, it leaves no claim: the next pool is as before.
+    proc = run_script(
+        """
+        import fiber_dask, psutil
+        from fiber_dask import cluster
+        from fiber_dask.errors import ClusterCapacityError
+        if __name__ == "__main__":
+            with fiber_dask.Pool(2) as pool:
+                assert pool.map(abs, [-1, -2]) == [1, 2]
+                before = len(psutil.Process().children(recursive=True))
+                try:
+                    fiber_dask.Pool(10**6)
+                except ClusterCapacityError as e:
+                    assert isinstance(e, OSError)
+                    print("refused:", e)
+                handle = cluster.get_handle()
+                print(cluster.slots_in_use(handle), handle.planned_slots,
+                      len(psutil.Process().children(recursive=True)) == before)
+                assert pool.map(abs, [-3]) == [3]
+            with fiber_dask.Pool(2) as other:
+                print(other.map(abs, [-4]))
+        """,
+        tmp_path,
+        {"DASK_FIBER__LOCAL__N_WORKERS": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith(
+        "refused: 1000002 pool slots at once (this pool's and those in use) need "
+        "1000000 more worker processes on this machine"
+    ), lines
+    assert "fiber.local.threads-per-worker" in lines[0]
+    assert lines[1:] == ["2 2 True", "[4]"], lines
