@@ -2,8 +2,8 @@
 
 The wheel is built from this checkout the way a release is (``pip wheel --no-deps
 .``, with build isolation), installed into a new virtual environment (which sees
-the already-installed dependencies through ``--system-site-packages`` but not this
-checkout), and the console script is run there.  This is what a user of the
+the dependencies of the environment running the tests, venv or not, but not
+this checkout), and the console script is run there.  This is what a user of the
 published package gets; an editable install hides missing files.
 
 Also here: ``environment.yml`` lists exactly the dependencies and extras of
@@ -16,6 +16,7 @@ import email
 import os
 import pathlib
 import re
+import site
 import subprocess
 import sys
 import venv
@@ -72,9 +73,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     )
     (wheel,) = (root / "dist").glob("fiber_dask-*.whl")
     env_dir = root / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
-    # The venv's python runs the outer pip to install into the venv only; its
-    # own site-packages shadows the editable checkout of the outer environment.
+    venv.create(env_dir, with_pip=False)
+    # The dependencies are those of the environment running the tests, whether
+    # it is a venv or not: its site-packages directories, listed in a .pth
+    # file of the new venv (system_site_packages would give the *base*
+    # interpreter's, without dask when the suite runs in a venv).  They come
+    # after the venv's own site-packages, and the .pth files in them (the
+    # editable install of this checkout) are not read: the wheel is found.
+    (own,) = pathlib.Path(env_dir).glob("lib/python*/site-packages")
+    (own / "outer-environment.pth").write_text(
+        "\n".join(p for p in site.getsitepackages() if os.path.isdir(p)) + "\n"
+    )
+    # The venv's python runs the outer pip to install into the venv only.
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python")]
         + ["install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
