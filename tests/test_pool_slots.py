@@ -24,6 +24,7 @@ import psutil
 import pytest
 from distributed import Client
 from helpers_cluster import loopback_cluster
+from support.processes import running
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
@@ -152,15 +153,8 @@ def shared_state(args):
     return True
 
 
-def alive(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def dead(pids):
-    return all(not alive(p) for p in pids)
+    return all(not running(p) for p in pids)
 
 
 def live_children(pid):
@@ -168,7 +162,7 @@ def live_children(pid):
         kids = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [k.pid for k in kids if alive(k.pid)]
+    return [k.pid for k in kids if running(k.pid)]
 
 
 def only_spares_left(templates):
@@ -304,7 +298,7 @@ def test_terminate_stops_cpu_bound_and_blocked_tasks(fiber_ctx, tmp_path):
     r1 = pool.apply_async(spin_forever, (spin,))
     r2 = pool.apply_async(sleep_forever, (sleep,))
     pids = [read_pid(p) for p in (spin, sleep)]
-    assert all(alive(p) for p in pids)
+    assert all(running(p) for p in pids)
     templates = {psutil.Process(p).ppid() for p in pids}
     pool.terminate()
     wait_until(lambda: dead(pids), timeout=10, what="the terminated tasks' processes")
@@ -363,7 +357,7 @@ def test_slot_processes_gone_after_the_owner_is_killed(client, tmp_path):
     )
     try:
         pids = [read_pid(f"{marker}.{i}") for i in range(2)]
-        assert all(alive(p) for p in pids)
+        assert all(running(p) for p in pids)
         templates = {psutil.Process(p).ppid() for p in pids}
         owner.kill()
         owner.wait(timeout=10)
@@ -576,7 +570,7 @@ def test_a_slot_start_hands_over_the_pre_forked_spare():
         # A spare that died before its hand-over is not handed over: a fresh
         # process serves the request, and a new spare follows.
         os.kill(again, signal.SIGKILL)
-        wait_until(lambda: not alive(again), what="the killed spare gone")
+        wait_until(lambda: not running(again), what="the killed spare gone")
         g = template.fork(owner.spec(1))
         assert g.started.wait(30)
         assert g.pid not in (spare, again)
