@@ -35,6 +35,14 @@ threads sharing its GIL).  Now a process has one :class:`Link` per pool::
   cut connection) ends every loop on it as a ``TERMINATE`` does.  The socket
   is closed only once the receiver and every loop are done with it, so a
   descriptor number is never reused under a thread still using it.
+* **Failing.**  Whatever goes wrong on a link drops it, so that its loops
+  end and the owner, seeing it hang up, re-runs their chunks; nothing leaves
+  a loop waiting for an answer that cannot come.  A frame that cannot be
+  made or sent (out of memory pickling it, an interrupt half-way through
+  writing it) and bytes from the owner that are not a frame drop it, logged.
+  With no thread to spare, a link does without: when its sender thread
+  cannot start, the loops send for themselves (under the send lock); when
+  its receiver cannot, the dial fails, as an unreachable owner does.
 
 A slot process (``fiber.pool.slots: process``) has one loop, so its link
 carries one; the messages are the same (:mod:`fiber_dask.poolprotocol`).
@@ -126,7 +134,8 @@ class Link:
         self._send_lock = threading.Lock()  # one frame on the socket at a time
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # for the sender
         self._sender: threading.Thread | None = None
-        self._broken = False
+        self._no_sender = False  # it could not start: loops send themselves
+        self._broken = False  # set under the send lock: nothing more goes out
 
     def __repr__(self) -> str:
         return f"<Link {self.key[1]} loops={sorted(self._routes)}>"
@@ -140,35 +149,88 @@ class Link:
         A link with one loop (a slot process) sends in the loop's thread; one
         with several hands the message to the link's sender thread, which
         sends all that waits in one frame, so that no loop thread waits on a
-        socket (or for the GIL after it) with its next chunk ready.
+        socket (or for the GIL after it) with its next chunk ready.  Without
+        a sender thread (none could start) each loop sends its own.
         """
-        if self._sender is None:
-            if len(self._routes) <= 1:
-                with self._send_lock:
-                    self._send([(loop, msg)])
-                return
-            self._start_sender()
+        if self._sender is None and (
+            self._no_sender or len(self._routes) <= 1 or not self._start_sender()
+        ):
+            with self._send_lock:
+                self._send([(loop, msg)])
+            return
         self._queue.put((loop, msg))
 
     def _send(self, routed: list) -> None:
         """Send ``routed`` in one frame (call with the send lock held)."""
         if self._broken:
             return
+        # An interrupt while the frame is made (a loop sending its own: its
+        # _Terminated, a slot process's KeyboardInterrupt) goes through: the
+        # stream is whole, and the loop it ends says Gone, so the owner re-runs
+        # the chunks whose answers it lost.
         try:
-            self.conn.send_bytes(proto.encode_frame(routed))
-        except OSError:
-            self._broken = True
-            _shutdown(self.conn)  # the receiver sees EOF
+            frame = proto.encode_frame(routed)
+        except Exception as e:
+            self._cannot_send(e)
+            return
+        try:
+            self.conn.send_bytes(frame)
+        except OSError:  # the connection failed (the owner is gone): no news
+            self._drop()
+        except Exception as e:
+            self._cannot_send(e)
+        except BaseException:
+            # An interrupt half-way through writing the frame: what follows
+            # on the stream would not be frames.
+            self._drop()
+            raise
 
-    def _start_sender(self) -> None:
+    def _cannot_send(self, e: Exception) -> None:
+        """A frame could not be made or sent (out of memory pickling it, say):
+        its messages are lost, and the loops that sent them would wait for
+        ever for answers.  Drop the link: they end, and the owner re-runs
+        their chunks.  Logged first, so that the log has it by the time
+        anyone hears of the drop."""
+        logger.error(
+            "fiber-dask: a pool link could not send to its owner (%r); "
+            "dropping it: its loops end and their chunks run again",
+            e,
+            exc_info=True,
+        )
+        self._drop()
+
+    def _drop(self) -> None:
+        """Send nothing more and shut the socket down: the receiver (which
+        then ends every loop) and the owner (which re-runs their chunks) see
+        EOF.  Call with the send lock held."""
+        self._broken = True
+        _shutdown(self.conn)
+
+    def _start_sender(self) -> bool:
+        """Start the sender thread, if it is not running: False if it cannot
+        start (the process is out of threads), and then never again."""
         with self._lock:
             if self._sender is not None:
-                return
-            self._users += 1
-            self._sender = threading.Thread(
+                return True
+            if self._no_sender:
+                return False
+            sender = threading.Thread(
                 target=self._send_all, name="fiber-pool-link-send", daemon=True
             )
-            self._sender.start()
+            self._users += 1
+            try:
+                sender.start()
+            except Exception as e:  # RuntimeError: can't start new thread
+                self._users -= 1
+                self._no_sender = True
+                logger.warning(
+                    "fiber-dask: a pool link could not start its sender thread "
+                    "(%r); its loops send for themselves",
+                    e,
+                )
+                return False
+            self._sender = sender
+            return True
 
     def _send_all(self) -> None:
         """The sender thread: everything queued, in frames, until told to end."""
@@ -195,9 +257,19 @@ class Link:
 
     def _open(self, conn: Any) -> None:
         self.conn = conn
-        threading.Thread(
-            target=self._receive, name="fiber-pool-link", daemon=True
-        ).start()
+        try:
+            threading.Thread(
+                target=self._receive, name="fiber-pool-link", daemon=True
+            ).start()
+        except Exception as e:  # RuntimeError: can't start new thread
+            # Nobody would hear the owner: the dial fails, for the loops
+            # waiting for it too, counted as failed loops by the pool.
+            channel.hangup(conn)
+            self._fail(
+                f"{proto.Reason.UNREACHABLE}: no thread to read the owner's "
+                f"messages with ({e!r}); the worker process is out of threads"
+            )
+            return
         self.ready.set()
 
     def _fail(self, reason: str) -> None:
@@ -252,10 +324,11 @@ class Link:
 
     def _receive(self) -> None:
         """The link's receiver thread: hand each loop its messages, in order;
-        at EOF, hand every loop None (the owner is gone)."""
-        reader = channel.FrameReader(self.conn)
+        at EOF, hand every loop None (the owner is gone).  Bytes that are
+        not a frame drop the link: nothing after them can be trusted."""
         routes = self._routes
         try:
+            reader = channel.FrameReader(self.conn)
             while True:
                 try:
                     frames = reader.frames()
@@ -266,8 +339,12 @@ class Link:
                         deliver = routes.get(loop)
                         if deliver is not None:  # else it has just left
                             deliver(msg)
-        except Exception:  # pragma: no cover - a bug: end the loops, say why
-            logger.exception("fiber-dask: a pool link failed reading its owner")
+        except Exception:  # junk (a bug, a version skew): end the loops, say why
+            logger.exception(
+                "fiber-dask: a pool link could not read its owner's messages; "
+                "dropping it: its loops end and their chunks run again"
+            )
+            _shutdown(self.conn)  # the owner sees the hang-up
         finally:
             with _links_lock:
                 with self._lock:

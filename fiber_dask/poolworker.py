@@ -46,6 +46,11 @@ class _Terminated(BaseException):
     """Raised asynchronously in the executing thread by TERMINATE or owner loss."""
 
 
+#: ``(thread id, exception)``: raise it in that thread at its next bytecode
+#: check; an exception of NULL (None) withdraws one not yet raised.
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+
 class _Loop:
     def __init__(self, number: int, kill_after: float | None = None) -> None:
         self.number = number
@@ -55,7 +60,10 @@ class _Loop:
         self.exec_lock = threading.Lock()
         self.executing = False
         self.stop_now = False
+        #: It left its link (:meth:`leave`): its thread runs other code now.
+        self.left = False
         self.main_ident = threading.get_ident()
+        self._thread = ctypes.c_ulong(self.main_ident)  # for _set_async_exc
         self.main = MainNamespace()  # the script's globals, shared by its functions
         self.funcs = proto.LoopFunctions(
             lambda blob: self.main.adopt(pickle.loads(blob))
@@ -88,20 +96,17 @@ class _Loop:
     def deliver(self, msg: Any) -> None:
         """On the link's receiver thread: a message for this loop, or None
         (the link dropped: the owner is gone).  TERMINATE and None interrupt
-        the running task."""
+        the running task, until the loop has left."""
         if msg is not None and msg is not proto.TERMINATE:
             self.inbox.put(msg)
             return
         self.stop_now = True
         with self.exec_lock:
-            if self.executing:
+            if self.executing and not self.left:
                 # Interrupts Python code at its next bytecode; a task
                 # blocked in C (sleep, I/O, a long numpy call) only
                 # notices when that call returns.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.main_ident),
-                    ctypes.py_object(_Terminated),
-                )
+                _set_async_exc(self._thread, ctypes.py_object(_Terminated))
                 if self.kill_after is not None:
                     t = threading.Timer(self.kill_after, self._kill_if_stuck)
                     t.daemon = True
@@ -113,8 +118,31 @@ class _Loop:
         as the stdlib's terminate() does.  Only on clusters fiber-dask started
         (its nanny starts a fresh worker); never on someone else's cluster."""
         with self.exec_lock:
-            if self.executing:
+            if self.executing and not self.left:
                 os._exit(1)
+
+    def leave(self) -> None:
+        """The loop is done (call on its own thread, before it leaves the
+        link): no TERMINATE or hang-up may interrupt this thread or end this
+        process from now on, whatever runs in it next (the link's code, or
+        another Dask task on this worker thread).
+
+        ``executing`` can stay set after a task: a TERMINATE interrupt that
+        lands just after the mark was set, before the ``try`` that clears it.
+        The loop then ends, and a late TERMINATE or the link's EOF, seeing
+        the stale mark, would interrupt whatever the thread runs next and
+        start the timer that ends the process.  An interrupt sent before
+        this and not yet raised is withdrawn too; one raised in here (before
+        it was withdrawn) was for this loop: call it again then (see
+        :func:`serve_slot`).
+        """
+        with self.exec_lock:
+            # First under the lock, before any Python-level call (where a
+            # pending interrupt is raised): no deliver() can send another
+            # now, and an exception of NULL withdraws one sent before.
+            _set_async_exc(self._thread, None)
+            self.left = True
+            self.executing = False
 
     def call(self, func: Any, mode: int, item: Any) -> Any:
         with self.exec_lock:
@@ -218,16 +246,25 @@ def serve_slot(
     reason = proto.Reason.TERMINATED
     try:
         reason = serve(link, loop, init_blob, maxtasks)
-        return reason
     except _Terminated:  # arrived between serve's return and here
-        return reason
+        pass
     except KeyboardInterrupt:
         # SIGINT in a slot process: it ends, as a stdlib pool worker does
         # (the process prints it); the owner re-runs its chunks.
         reason = proto.Reason.INTERRUPTED
         raise
     finally:
+        # Leave before detaching: what the link hands this loop after that
+        # (its EOF when this loop hangs it up, a late TERMINATE) must neither
+        # interrupt this thread nor end its process, whatever it runs next.
+        while True:
+            try:
+                loop.leave()
+                break
+            except _Terminated:  # sent before it left: this loop ends anyway
+                pass
         link.detach(slot, reason)
+    return reason
 
 
 def _serve(loop: _Loop, maxtasks: int | None) -> str:

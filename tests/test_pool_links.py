@@ -242,6 +242,162 @@ def test_a_dial_with_the_wrong_key_fails_every_loop_that_waited_for_it(owner):
     assert not poollink._links  # nothing left behind to join later
 
 
+def _results(k):
+    return proto.Results([proto.Result(k, True, b"", 0.0, False)])
+
+
+def test_a_frame_the_sender_cannot_make_drops_the_link(owner, monkeypatch, caplog):
+    # Out of memory pickling one frame of many loops' answers (any error but
+    # a failed send): the link must drop, so that its loops end and the owner
+    # re-runs their chunks, not stay up with their answers queued for ever.
+    boxes, links = _attach_together(owner, range(3))
+    conn, _ = owner.conns.get(timeout=10)
+    owner.read(conn, 3)
+    link = links[0]
+    real = proto.encode_frame
+
+    def out_of_memory(routed, shared=None):
+        raise MemoryError("one frame of every loop's answers")
+
+    monkeypatch.setattr(proto, "encode_frame", out_of_memory)
+    link.post(0, _results(1))  # through the sender thread: three loops
+    for box in boxes.values():
+        assert box.get(timeout=10) is None  # the link dropped: each loop hears
+    monkeypatch.setattr(proto, "encode_frame", real)
+    assert owner.hung_up(conn)
+    assert "could not send" in caplog.text
+    for n in range(3):
+        link.detach(n, proto.Reason.TERMINATED)
+    wait_until(lambda: not _link_threads(), what="the link's threads to end")
+
+
+def test_loops_send_themselves_when_no_sender_thread_can_start(owner, monkeypatch):
+    start = threading.Thread.start
+
+    def no_sender(self):
+        if self.name == "fiber-pool-link-send":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_sender)
+    boxes, links = _attach_together(owner, range(3))
+    conn, _ = owner.conns.get(timeout=10)
+    owner.read(conn, 3)
+    link = links[0]
+    assert link._sender is None
+    for n in range(3):
+        link.post(n, _results(n))
+    assert sorted(n for n, _ in owner.read(conn, 3)) == [0, 1, 2]
+    for n in range(3):
+        link.detach(n, proto.Reason.STOPPED)
+    assert len(owner.read(conn, 3)) == 3 and owner.hung_up(conn)
+    wait_until(lambda: not _link_threads(), what="the receiver to end")
+    assert link.conn.closed
+
+
+def test_no_receiver_thread_fails_the_dial_not_the_loops_waiting(owner, monkeypatch):
+    start = threading.Thread.start
+
+    def no_receiver(self):
+        if self.name == "fiber-pool-link":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_receiver)
+    got = []
+    threads = [
+        threading.Thread(target=lambda n=n: got.append(owner.attach(n, print)))
+        for n in range(3)
+    ]
+    for t in threads:
+        start(t)
+    for t in threads:
+        t.join(30)
+    assert len(got) == 3  # nobody waits for ever on a link that never came up
+    assert all(g.startswith(proto.Reason.UNREACHABLE) for g in got), got
+    assert not poollink._links
+
+
+def test_junk_from_the_owner_drops_the_link(owner, caplog):
+    boxes, links = _attach_together(owner, range(2))
+    conn, _ = owner.conns.get(timeout=10)
+    owner.read(conn, 2)
+    conn.send_bytes(b"\x80\x05junk")
+    for box in boxes.values():
+        assert box.get(timeout=10) is None
+    assert owner.hung_up(conn)
+    assert "could not read its owner's messages" in caplog.text
+    for n in range(2):
+        links[0].detach(n, proto.Reason.TERMINATED)
+    wait_until(lambda: not _link_threads(), what="the link's threads to end")
+
+
+def test_a_loop_that_left_is_never_interrupted_nor_its_process_ended(monkeypatch):
+    from fiber_dask import poolworker
+
+    def exit_(code):  # a failure here must fail the test, not end pytest
+        raise AssertionError(f"os._exit({code}) after the loop left")
+
+    monkeypatch.setattr(poolworker.os, "_exit", exit_)
+    loop = poolworker._Loop(0, kill_after=0.01)
+    # As if a TERMINATE had fired just as a task was marked running, so the
+    # mark stayed: after leave() the link's EOF must neither interrupt this
+    # thread (by then in the link's code, or another Dask task) nor start
+    # the timer that would end the process.
+    loop.executing = True
+    loop.leave()
+    loop.deliver(None)
+    assert loop.inbox.get(timeout=1) is None
+    assert not loop.executing
+    loop._kill_if_stuck()  # would os._exit(1) the test process
+    assert not [
+        t
+        for t in threading.enumerate()
+        if getattr(t, "function", None) == loop._kill_if_stuck
+    ]
+
+
+def test_serve_slot_leaves_its_loop_before_it_leaves_the_link(owner, monkeypatch):
+    # The link's EOF (when this loop hangs it up) and a late TERMINATE come
+    # after serve_slot has moved on: its loop must have left by then.
+    from fiber_dask import poolworker
+
+    made = []
+
+    class Loop(poolworker._Loop):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    real_detach = poollink.Link.detach
+
+    def detach(link, loop, reason):
+        made[0].detached_after_leaving = getattr(made[0], "left", False)
+        real_detach(link, loop, reason)
+
+    monkeypatch.setattr(poolworker, "_Loop", Loop)
+    monkeypatch.setattr(poollink.Link, "detach", detach)
+    out = []
+    a = owner.server.address
+    t = threading.Thread(
+        target=lambda: out.append(
+            poolworker.serve_slot(
+                a, owner.authkey, owner.service, 5, None, None, 5, "w"
+            )
+        )
+    )
+    t.start()
+    conn, _ = owner.conns.get(timeout=10)
+    assert isinstance(owner.read(conn, 1)[0][1], proto.Attach)
+    conn.send_bytes(proto.encode_frame([(5, proto.STOP)]))
+    [(n, gone)] = owner.read(conn, 1)
+    assert (n, gone.reason) == (5, proto.Reason.STOPPED)
+    assert owner.hung_up(conn)
+    t.join(10)
+    assert out == [proto.Reason.STOPPED]
+    assert made[0].detached_after_leaving
+
+
 # --------------------------------------------------------- pools of threads
 
 
