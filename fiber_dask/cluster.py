@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import config, mainguard, peerslots
+from . import config, mainguard, peerslots, privaterandom
 from .backends import ClusterHandle, load_backend
 from .backends import address as address_rules
 from .backends.address import configured_address
@@ -264,6 +264,7 @@ def get_client(**kwargs: Any) -> Any:
 
 
 def _handle_for_client(client: Any) -> ClusterHandle:
+    privaterandom.isolate_dask()  # as in _resolve
     host = address_rules.listen_host(client.scheduler.address)
     return ClusterHandle(client, None, owned=False, backend="client", listen_host=host)
 
@@ -285,6 +286,10 @@ def listen_host(resolve_cluster: bool = False) -> str:
 
 
 def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
+    # Before any Dask code runs here on our behalf (a backend starting a
+    # scheduler, a client connecting): Dask's draws must not move the
+    # program's random state (fiber_dask.privaterandom).
+    privaterandom.isolate_dask()
     handle = _find(backend, address, client)
     if not handle.listen_host:  # a third-party backend that left it to us
         handle.listen_host = address_rules.listen_host(handle.client.scheduler.address)

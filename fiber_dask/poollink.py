@@ -53,12 +53,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import random
 import threading
 import time
 from typing import Any, Callable
 
-from . import channel
+from . import channel, privaterandom
 from . import poolprotocol as proto
 
 __all__ = ["Link", "attach", "connect_to_owner"]
@@ -109,7 +108,7 @@ def connect_to_owner(
             if time.monotonic() > deadline:
                 why = f"the owner kept cutting the handshake ({e!r})"
                 return f"{proto.Reason.UNREACHABLE}: {why}"
-        time.sleep(pause * (0.5 + random.random()))
+        time.sleep(pause * (0.5 + privaterandom.rng.random()))
         pause = min(1.0, pause * 2)
 
 

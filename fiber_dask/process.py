@@ -47,7 +47,6 @@ import codecs
 import logging
 import os
 import pickle
-import random
 import signal
 import sys
 import threading
@@ -65,7 +64,7 @@ from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
 )
 from typing import Any
 
-from . import channel, cluster, launcher, security
+from . import channel, cluster, launcher, privaterandom, security
 from .mainglobals import dumps_for_child
 
 __all__ = [
@@ -441,7 +440,7 @@ class _Launch:
             ]
             if not fits or self._claimed:
                 return  # none fits now: the queued task waits for scaling
-            target = random.choice(fits)
+            target = privaterandom.rng.choice(fits)
             handle.client.run(
                 launcher.launch_beside_tasks,
                 self._server.address,

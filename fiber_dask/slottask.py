@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from . import privaterandom
 from .poolworker import serve_slot
 from .slots import keep
 
@@ -53,6 +54,9 @@ def run_pool_worker(
         slots = config.get("pool.slots")
     if slots == "process":
         return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
+    # The program's tasks run in this process, beside the worker's event loop,
+    # whose draws must not move their random state.
+    privaterandom.isolate_dask()
     with _unprofiled(worker):
         return serve_slot(
             address,
