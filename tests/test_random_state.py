@@ -16,12 +16,12 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
 import psutil
 import pytest
+from support.wait import wait_until
 
 from fiber_dask import privaterandom
 
@@ -58,12 +58,15 @@ def run(mode: str, scenario: str, **env: str) -> dict:
         env=environ,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    deadline = time.monotonic() + 15
-    while (left := _processes_with(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in left:
-        p.kill()
-    assert not left, [" ".join(p.cmdline()) for p in left]
+    try:
+        wait_until(
+            lambda: not _processes_with(marker),
+            timeout=15,
+            what="every process the program started to end with it",
+        )
+    finally:
+        for p in _processes_with(marker):
+            p.kill()
     return json.loads(proc.stdout.splitlines()[-1])
 
 
