@@ -193,21 +193,6 @@ def _security_env(security: Any) -> dict:
     return env
 
 
-def _resource_tracker_fd() -> int | None:
-    """The worker's ``multiprocessing`` resource-tracker pipe, which the child
-    shares as a stdlib spawned child shares its parent's: a shared-memory
-    segment the child attaches to is then not unlinked when the child exits.
-    (A worker the embedded cluster spawned has the parent's own tracker.)"""
-    if sys.platform == "win32":
-        return None
-    try:
-        from multiprocessing import resource_tracker
-
-        return resource_tracker.getfd()
-    except Exception:  # no tracker: the child starts its own, as before
-        return None
-
-
 def _orphaned(child: subprocess.Popen, reaped: threading.Event) -> None:
     """The parent's connection dropped (the process that called ``start()``
     died, or its host became unreachable): tell the child, whose
@@ -240,9 +225,9 @@ def _launch(
                 return False
 
     env = child_env(worker_address, scheduler_address, security)
-    tracker_fd = _resource_tracker_fd()
-    if tracker_fd is not None:
-        env["FIBER_DASK_TRACKER_FD"] = str(tracker_fd)
+    from . import resourcetracker
+
+    tracker_fds = resourcetracker.for_child(env)  # the worker's, as spawn shares it
     try:
         child = subprocess.Popen(
             [sys.executable, "-c", BOOT],
@@ -251,7 +236,7 @@ def _launch(
             stderr=subprocess.PIPE,
             env=env,
             close_fds=True,
-            pass_fds=() if tracker_fd is None else (tracker_fd,),
+            pass_fds=tracker_fds,
         )
     except OSError as e:
         why = f"cannot start the child process on {worker_address}: {e}"

@@ -122,7 +122,9 @@ def main() -> int:
     from fiber_dask import swap
 
     extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
-    _share_resource_tracker(os.environ.pop("FIBER_DASK_TRACKER_FD", None))
+    from fiber_dask import resourcetracker
+
+    resourcetracker.adopt()  # the launcher's worker's, as spawn_main does
     # Under `fiber-dask run --swap-multiprocessing` the user's modules imported by
     # the unpickling below must get fiber_dask as their multiprocessing, as they do
     # on the worker (the spec arrives in the environment inherited from it).
@@ -164,16 +166,6 @@ def main() -> int:
     # parent_process(), closes stdin, runs run() and maps its outcome to the
     # exit code exactly as multiprocessing does.
     return proc._bootstrap(parent_sentinel=sentinel_r)
-
-
-def _share_resource_tracker(fd: str | None) -> None:
-    """Use the launcher's resource tracker, as the stdlib's spawn_main does
-    with the one its parent passes (the launcher passed its pipe end)."""
-    if fd is None:
-        return
-    from multiprocessing import resource_tracker
-
-    resource_tracker._resource_tracker._fd = int(fd)
 
 
 def extend_sys_path(encoded: str | None) -> None:

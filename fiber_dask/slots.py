@@ -111,6 +111,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from . import resourcetracker
 from .slotpipe import FrameReader, write_frame
 
 __all__ = [
@@ -215,6 +216,7 @@ class Template:
     def _fork(self) -> int:
         """Fork the template from this single-threaded process; the read end
         of its report pipe."""
+        tracker_fd = resourcetracker.share()  # the template and its slots share it
         request_r, request_w = os.pipe()
         report_r, report_w = os.pipe()
         parent = os.getpid()
@@ -227,7 +229,7 @@ class Template:
         if pid == 0:  # the template
             code = 1
             try:
-                code = _forked_template(parent, request_r, report_w)
+                code = _forked_template(parent, request_r, report_w, tracker_fd)
             except BaseException:  # noqa: BLE001 - report it, then end
                 import traceback
 
@@ -252,11 +254,12 @@ class Template:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (env.get("PYTHONPATH"), here) if p
             )
+            tracker_fds = resourcetracker.for_child(env)
             try:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "fiber_dask.slotserver", str(report_w)],
                     stdin=subprocess.PIPE,
-                    pass_fds=(report_w,),
+                    pass_fds=(report_w, *tracker_fds),
                     env=env,
                     close_fds=True,
                 )
@@ -365,16 +368,22 @@ def _single_threaded() -> bool:
         return False
 
 
-def _forked_template(parent: int, request_fd: int, report_fd: int) -> int:
+def _forked_template(
+    parent: int, request_fd: int, report_fd: int, tracker_fd: int | None = None
+) -> int:
     """In the child of :meth:`Template._fork`: become the template process.
 
-    It keeps only its two pipes and the standard streams (as the fresh
-    interpreter's ``close_fds`` does: an inherited descriptor, such as the
-    spawn pipe whose end tells a Nanny its worker exited, must not outlive the
-    worker), and drops the worker's half-imported main module: slot processes
-    get their functions by value or import them, as from a fresh template.
+    It keeps only its two pipes, the standard streams and the worker's
+    resource-tracker pipe ``tracker_fd`` (:mod:`fiber_dask.resourcetracker`),
+    as the fresh interpreter's ``close_fds`` and ``pass_fds`` do: an inherited
+    descriptor, such as the spawn pipe whose end tells a Nanny its worker
+    exited, must not outlive the worker.  It drops the worker's half-imported
+    main module: slot processes get their functions by value or import them,
+    as from a fresh template.
     """
     keep_fds = {0, 1, 2, request_fd, report_fd}
+    if tracker_fd is not None:
+        keep_fds.add(tracker_fd)
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:

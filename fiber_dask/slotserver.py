@@ -224,6 +224,9 @@ class _Server:
 def main() -> int:
     """``python -m fiber_dask.slotserver REPORT_FD``: requests on stdin."""
     expected = os.environ.pop("FIBER_DASK_LAUNCHER_PID", None)
+    from fiber_dask import resourcetracker
+
+    resourcetracker.adopt()  # the Dask worker's, which slot processes inherit
     return serve(os.dup(0), int(sys.argv[1]), int(expected) if expected else None)
 
 

@@ -639,7 +639,15 @@ EARLY_SCRIPT = textwrap.dedent(
         with open(f"/proc/{pid}/stat") as f:
             ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         shared = pipes(pid) & pipes(os.getpid())
+        # The worker's resource-tracker pipe is shared on purpose
+        # (fiber_dask/resourcetracker.py): slot processes use that tracker.
+        from multiprocessing import resource_tracker
+
+        tracker = os.readlink(f"/proc/self/fd/{resource_tracker.getfd()}")
+        tracker_shared = tracker in shared
+        shared.discard(tracker)
         return {
+            "tracker_shared": tracker_shared,
             "early": slots.started_early,
             "forked": t.forked,
             "parent_is_worker": ppid == os.getpid(),
@@ -674,10 +682,11 @@ def test_embedded_workers_start_their_template_early_as_they_import_fiber_dask(
     assert fact["early"] is True, out.stdout
     assert fact["parent_is_worker"] is True, out.stdout
     assert (env_in_slot, env_in_driver) == (None, None), out.stdout
+    assert fact["tracker_shared"] is True, out.stdout  # however it started
     if order == "fiber-dask-first":
         # Forked from the still single-threaded worker, keeping of the worker's
-        # descriptors only its request and report pipes (an inherited spawn
-        # or resource-tracker pipe would be shared too).
+        # descriptors only its request and report pipes, besides the tracker's
+        # (an inherited spawn pipe would be shared too).
         assert fact["forked"] is True, out.stdout
         assert fact["pipes_shared_with_worker"] == 2, out.stdout
     else:
