@@ -60,6 +60,7 @@ from . import poolprotocol as proto
 from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from .poolelastic import Elastic
 from .poolresults import MapResult, measured_chunksize
+from .poolwait import Waiting
 from .slottask import run_pool_worker
 
 __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
@@ -374,6 +375,8 @@ class PoolEngine:
         self._thread: threading.Thread | None = None
         #: Gives idle slots back and asks for them again (fiber.pool.idle-timeout).
         self._elastic = Elastic.for_engine(self)
+        #: Says who holds the slots when work waits with no loop running.
+        self._waiting = Waiting(self, _live)
 
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
@@ -1112,7 +1115,8 @@ class PoolEngine:
             # (fiber_dask.slots.TERMINATE_GRACE), on any cluster.
             [_TERMINATE_GRACE if self._handle.owned else None] * k,
             [self._slot_kind] * k,  # process | thread (fiber_dask.slots)
-            key=[f"fiber-pool-{self._token}-{n}" for n in numbers],
+            # Keyed so the scheduler can tell whose slots these are (poolstats).
+            key=[poolstats.loop_key(self._token, n) for n in numbers],
             pure=False,
             resources=self._resources,
         )
@@ -1172,11 +1176,16 @@ class PoolEngine:
         if self._peers or not self._cache:
             self._no_peers_since = time.monotonic()
             self._warned_waiting = False
+            self._waiting.reset()
             return
         waited = time.monotonic() - self._no_peers_since
         if self._client.status not in ("running", "connecting"):
             self._break(self._lost_scheduler())
-        elif not self._warned_waiting and waited > 60:
+            return
+        # Within seconds: are the slots all held, by whom (poolwait; it looks
+        # off this thread and says so once per wait).
+        self._waiting.tick(waited)
+        if not self._warned_waiting and not self._waiting.warned and waited > 60:
             self._warned_waiting = True
             logger.warning(
                 "fiber-dask: a pool has had work waiting for 60 s but no pool worker is "

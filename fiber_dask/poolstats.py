@@ -15,6 +15,11 @@ as one long task.  This module is the one owner of how those numbers travel::
                                                   fiber_pools() ─► document()
                                                   (fiber-dask info, the JSON
                                                   endpoint, the dashboard page)
+    a pool waiting for slots
+    (fiber_dask.poolwait) ───────────── rpc ────► fiber_pools_slots(keys=[..])
+                                                  ─► slots(): document() plus
+                                                  which tasks hold each
+                                                  worker's threads
 
 * **Counting** (:class:`PoolCounters`) costs the engine no lock of its own:
   every hook runs where the engine already holds its lock (sending a chunk,
@@ -25,6 +30,11 @@ as one long task.  This module is the one owner of how those numbers travel::
   metadata (``METADATA_KEY``), so a scheduler without it sees one
   ``get_metadata`` call per client and nothing else.  Sends are bounded by
   ``SEND_TIMEOUT``; a failing send is dropped (the next interval sends again).
+* **Who holds the slots**: a pool's loops are Dask tasks keyed
+  :func:`loop_key` (``fiber-pool-<pool id>-<n>``), so the store can tell, from
+  what the scheduler assigned to each worker, which pool holds which task
+  slots (:meth:`PoolStore.slots`); a pool that waits for slots asks it once
+  in a while (:mod:`fiber_dask.poolwait`) to say who holds them.
 * **Expiry**: the scheduler drops a pool when its owner says it was released,
   when the owner's client goes away, or when no report came for
   ``STALE_AFTER`` seconds (an owner that hangs or lost its connection).
@@ -54,6 +64,10 @@ What the numbers mean (per pool):
 ``busy``
     per slot, the fraction of the last ``WINDOW`` seconds the slot had work
     (at least one chunk sent and not back), as seen from the owner.
+``idle_timeout``
+    seconds after which an idle slot of the pool gives its Dask slot back
+    (``fiber.pool.idle-timeout``, :mod:`fiber_dask.poolelastic`), or None
+    when the pool keeps its slots until it is closed.
 """
 
 from __future__ import annotations
@@ -83,6 +97,9 @@ __all__ = [
     "WINDOW",
     "METADATA_KEY",
     "VERSION",
+    "loop_key",
+    "loop_pool",
+    "fetch_slots",
 ]
 
 logger = logging.getLogger("fiber_dask.poolstats")
@@ -101,6 +118,26 @@ SEND_TIMEOUT = 5.0
 METADATA_KEY = ["fiber-dask", "pool-stats"]
 
 _UPDATE, _REMOVE, _QUERY = "fiber_pools_update", "fiber_pools_remove", "fiber_pools"
+_SLOTS = "fiber_pools_slots"
+#: Every pool loop's Dask key starts so (see :func:`loop_key`).
+_LOOP_PREFIX = "fiber-pool-"
+#: Prefixes of other tasks :meth:`PoolStore.slots` names per worker, at most.
+_PREFIXES = 5
+
+
+def loop_key(pool_id: str, n: int) -> str:
+    """The Dask key of loop ``n`` of the pool ``pool_id`` (its engine's token,
+    the ``id`` of its report): the scheduler tells a pool's loops by it."""
+    return f"{_LOOP_PREFIX}{pool_id}-{n}"
+
+
+def loop_pool(key: Any) -> str | None:
+    """The pool id of a loop's key (:func:`loop_key`), None for another key."""
+    if not isinstance(key, str) or not key.startswith(_LOOP_PREFIX):
+        return None
+    pool_id, _, n = key[len(_LOOP_PREFIX) :].rpartition("-")
+    return pool_id if pool_id and n.isdigit() else None
+
 
 _numbers = itertools.count(1)
 
@@ -222,6 +259,20 @@ def _unsent(job: Any) -> int:
     return 1  # apply_async
 
 
+def _queued(engine: Any) -> int:
+    """Items accepted by the pool and not yet sent to a slot (engine lock held)."""
+    return sum(len(c.items) for c in engine._retry if not c.job._finished) + sum(
+        _unsent(job) for job in engine._jobs
+    )
+
+
+def queued(engine: Any) -> int:
+    """Items ``engine``'s pool has accepted and not yet sent to a slot (an
+    ``imap``'s unread input not counted).  Takes the engine's lock once."""
+    with engine._lock:
+        return _queued(engine)
+
+
 def snapshot(engine: Any, now: float | None = None) -> dict[str, Any]:
     """The pool's numbers now (raw totals; rates are the reporter's).
 
@@ -230,9 +281,7 @@ def snapshot(engine: Any, now: float | None = None) -> dict[str, Any]:
     stats: PoolCounters = engine._stats
     mono = time.monotonic() if now is None else now
     with engine._lock:
-        queued = sum(len(c.items) for c in engine._retry if not c.job._finished) + sum(
-            _unsent(job) for job in engine._jobs
-        )
+        queued = _queued(engine)
         in_flight = sum(
             len(c.items)
             for peer in engine._peers.values()
@@ -270,6 +319,9 @@ def snapshot(engine: Any, now: float | None = None) -> dict[str, Any]:
         "slots": slots,
         "busy_seconds": busy,
         "started": stats.started,
+        # Seconds after which an idle slot is given back (poolelastic), None
+        # for never: what a pool waiting for these slots tells its user.
+        "idle_timeout": None if engine._elastic is None else engine._elastic.timeout,
     }
 
 
@@ -482,6 +534,28 @@ def fetch(client: Any) -> dict[str, Any] | None:
     return client.sync(getattr(client.scheduler, _QUERY))
 
 
+async def fetch_slots(client: Any, keys: list[str]) -> dict[str, Any] | None:
+    """The scheduler's :meth:`PoolStore.slots`, awaited on the client's event
+    loop (the caller bounds it), or None when the scheduler has no pool-stats
+    plugin.  A plugin of an older fiber-dask, which does not answer it, gives
+    its :meth:`~PoolStore.document` with ``workers`` and ``states`` None.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the scheduler (its ``scheduler`` rpc is awaited).
+    keys : list of str
+        Keys whose scheduler state to return (a waiting pool's loops).
+    """
+    meta = await client.scheduler.get_metadata(keys=METADATA_KEY, default=None)
+    if not meta:
+        return None
+    if isinstance(meta, dict) and meta.get("slots"):
+        return await getattr(client.scheduler, _SLOTS)(keys=list(keys))
+    document = await getattr(client.scheduler, _QUERY)()
+    return {**document, "workers": None, "states": None}
+
+
 # -------------------------------------------------------------- scheduler side
 
 _INT_FIELDS = (
@@ -522,6 +596,8 @@ def _clean(report: Any) -> dict[str, Any] | None:
                 }
             )
         out["slots"] = slots
+        timeout = report.get("idle_timeout")  # None: never (or an older owner)
+        out["idle_timeout"] = None if timeout is None else float(timeout)
     except (TypeError, ValueError, AttributeError):
         return None
     return out
@@ -549,9 +625,12 @@ class PoolStore:
         scheduler.handlers[_UPDATE] = self.update
         scheduler.handlers[_REMOVE] = self.remove
         scheduler.handlers[_QUERY] = self.document
+        scheduler.handlers[_SLOTS] = self.slots
         scheduler.extensions["fiber-pools"] = self
+        # "slots": this store answers fiber_pools_slots (fetch_slots asks).
         scheduler.set_metadata(
-            keys=METADATA_KEY, value={"version": VERSION, "interval": INTERVAL}
+            keys=METADATA_KEY,
+            value={"version": VERSION, "interval": INTERVAL, "slots": 1},
         )
 
     def update(
@@ -621,3 +700,57 @@ class PoolStore:
             "page": self.page,
             "pools": pools,
         }
+
+    def slots(self, keys: list | None = None) -> dict[str, Any]:
+        """Handler: the :meth:`document`, plus the cluster's task slots and
+        what holds them, as the scheduler sees them now.
+
+        ``workers``: one dict per worker: ``address``, ``nthreads``,
+        ``running`` (it takes tasks: not paused, not closing), ``resources``,
+        ``loops`` (``[key, executing]`` for each pool loop assigned to it, a
+        :func:`loop_key`; ``executing``: its last heartbeat said the task
+        runs, None if the scheduler does not keep that), ``tasks`` and
+        ``tasks_executing`` (the other tasks assigned to it, and how many of
+        them run) and ``prefixes`` (those tasks' key prefixes, counted, the
+        most common first).  A task that seceded (``long_running``: a
+        fiber-dask Process's launcher) holds no thread and is left out.
+        ``states``: the scheduler's state of each of ``keys``.
+        """
+        scheduler = self.scheduler
+        workers = []
+        for address, ws in list(scheduler.workers.items()):
+            # The keys the worker's last heartbeat said it executes: assigned
+            # tasks beyond the worker's threads wait there, and these are the
+            # ones that hold the threads.
+            heard = getattr(ws, "executing", None)
+            seceded = ws.long_running
+            loops = []
+            tasks = executing = 0
+            prefixes: collections.Counter = collections.Counter()
+            for ts in ws.processing:
+                if ts in seceded:
+                    continue
+                runs = None if heard is None else ts in heard
+                if loop_pool(ts.key) is not None:
+                    loops.append([ts.key, runs])
+                else:
+                    tasks += 1
+                    executing += bool(runs)
+                    prefixes[ts.prefix.name] += 1
+            workers.append(
+                {
+                    "address": address,
+                    "nthreads": ws.nthreads,
+                    "running": ws.status.name == "running",
+                    "resources": dict(ws.resources),
+                    "loops": loops,
+                    "tasks": tasks,
+                    "tasks_executing": None if heard is None else executing,
+                    "prefixes": dict(prefixes.most_common(_PREFIXES)),
+                }
+            )
+        states = {}
+        for key in keys or ():
+            ts = scheduler.tasks.get(key)
+            states[str(key)] = "forgotten" if ts is None else ts.state
+        return {**self.document(), "workers": workers, "states": states}
