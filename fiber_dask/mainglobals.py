@@ -28,7 +28,13 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["MainNamespace", "dumps_for_child", "keep_code_filenames"]
+__all__ = [
+    "MainNamespace",
+    "child_main",
+    "dumps_for_child",
+    "keep_code_filenames",
+    "main_path",
+]
 
 _DYNAMIC = "<dynamic-code>"
 
@@ -106,6 +112,64 @@ def _by_value_main_function(obj: Any) -> bool:
     # A function whose globals are this process's real __main__ came by
     # reference (the worker imported the script): already shared.
     return main is None or obj.__globals__ is not vars(main)
+
+
+def main_path() -> str | None:
+    """The main script's absolute path, as the stdlib's spawn preparation data
+    carries it (``init_main_from_path``); None for an interactive session, a
+    notebook, or ``python -m`` (a module, not a path)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if not path or getattr(spec, "name", None) or not path.endswith(".py"):
+        return None
+    import os
+
+    return os.path.abspath(path)
+
+
+def child_main(cls: type, state: dict, path: str | None) -> None:
+    """In a ``Process`` child: make ``__main__`` the namespace its ``__main__``
+    functions (the target, a ``Process`` subclass's methods, sent by value)
+    were defined in, as a stdlib child has its parent's script as ``__main__``.
+
+    The stdlib's pickle finds a ``__main__`` function by name in
+    ``sys.modules["__main__"]``: a child that passed one of them to a stdlib
+    ``Pool`` failed (``attribute lookup sq on __main__ failed``), the child's
+    ``__main__`` being fiber-dask's bootstrap.  The module made here answers
+    every name from the functions' own globals (a module ``__getattr__``), so
+    what pickle finds is the very object the code uses, and assignments to
+    globals stay where the functions see them.  ``__file__`` is the parent's
+    script where it exists on this host, so that a ``spawn`` or
+    ``forkserver`` grandchild imports it, as the stdlib's do.
+    """
+    g = None
+    target = state.get("_target")
+    if _by_value_main_function(target):
+        g = target.__globals__
+    elif getattr(cls, "__module__", None) == "__main__":
+        for value in vars(cls).values():
+            if _by_value_main_function(value):
+                g = value.__globals__
+                break
+    if g is None:
+        return
+    import os
+
+    main = types.ModuleType("__mp_main__")
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - PEP 562
+        try:
+            return g[name]
+        except KeyError:
+            raise AttributeError(
+                f"module '__main__' has no attribute {name!r}"
+            ) from None
+
+    main.__getattr__ = __getattr__  # type: ignore[method-assign]
+    if path and os.path.exists(path):
+        main.__file__ = path
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
 
 
 def dumps_for_child(obj: Any) -> bytes:

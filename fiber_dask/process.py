@@ -65,7 +65,7 @@ from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
 from typing import Any
 
 from . import channel, cluster, launcher, privaterandom, security
-from .mainglobals import dumps_for_child
+from .mainglobals import dumps_for_child, main_path
 
 __all__ = [
     "Process",
@@ -201,6 +201,7 @@ class Process(BaseProcess):
 
         if util._logger is not None:
             state["_fiber_log_level"] = util._logger.getEffectiveLevel()
+        state["_fiber_main_path"] = main_path()  # as spawn's preparation data
         # With the stdlib's reducers for descriptors (see mainglobals); the
         # authkey first, in a plain pickle: the child must be authenticated as
         # this process before unpickling them (resource_sharer checks it).

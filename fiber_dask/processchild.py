@@ -151,6 +151,9 @@ def main() -> int:
         from multiprocessing import util
 
         util.get_logger().setLevel(log_level)
+    from fiber_dask.mainglobals import child_main
+
+    child_main(cls, state, state.pop("_fiber_main_path", None))
     proc = cls.__new__(cls)
     config = dict(state.pop("_config"))
     config["authkey"] = AuthenticationString(config["authkey"])

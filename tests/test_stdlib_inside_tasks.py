@@ -359,3 +359,64 @@ def test_a_segment_a_task_leaves_is_unlinked_at_exit_with_the_stdlib_warning(
             import _posixshmem
 
             _posixshmem.shm_unlink(name)
+
+
+MAIN_FUNCTIONS_PROGRAM = """
+import multiprocessing, sys
+import fiber_dask
+
+OFFSET = 10
+
+
+def shifted_square(x):
+    return x * x + OFFSET
+
+
+def work(method):
+    global OFFSET
+    OFFSET = 100  # a global the child sets, seen by its own pool's workers
+    with multiprocessing.get_context(method).Pool(2) as pool:
+        print(method, pool.map(shifted_square, range(4)), flush=True)
+
+
+class Worker(fiber_dask.Process):
+    def run(self):
+        work("fork")
+
+
+if __name__ == "__main__":
+    Process = fiber_dask.Process if sys.argv[1] == "fiber" else multiprocessing.Process
+    for method in ("fork", "spawn", "forkserver"):
+        p = Process(target=work, args=(method,))
+        p.start()
+        p.join(120)
+        print("exitcode", p.exitcode, flush=True)
+    if sys.argv[1] == "fiber":
+        p = Worker()
+        p.start()
+        p.join(120)
+        print("exitcode", p.exitcode, flush=True)
+"""
+
+
+def test_a_process_child_passes_its_main_functions_to_a_stdlib_pool(tmp_path):
+    # A stdlib child has its parent's script as __main__, so it can hand a
+    # function of it to a Pool of its own (fork: the same module; spawn and
+    # forkserver: the grandchildren import the script).  A fiber child's
+    # __main__ was fiber-dask's bootstrap: "attribute lookup ... on __main__
+    # failed".
+    script = tmp_path / "main_functions.py"
+    script.write_text(MAIN_FUNCTIONS_PROGRAM)
+    std, _ = _run_program(script, "stdlib", env=_env())
+    fiber, _ = _run_program(script, "fiber", env=_env())
+    # spawn and forkserver grandchildren import the script: its OFFSET
+    expected = [
+        "fork [100, 101, 104, 109]",
+        "exitcode 0",
+        "spawn [10, 11, 14, 19]",
+        "exitcode 0",
+        "forkserver [10, 11, 14, 19]",
+        "exitcode 0",
+    ]
+    assert std.splitlines() == expected, std
+    assert fiber.splitlines() == expected + ["fork [100, 101, 104, 109]", "exitcode 0"]
