@@ -160,11 +160,10 @@ def main() -> int:
     proc.__dict__.update(state)
     proc._config = config
     proc._popen = None
-    # SIGINT as a stdlib child has it (KeyboardInterrupt), whatever the
-    # launcher's worker process does with it (the embedded cluster's ignore
-    # it, which an exec passes on): a terminal's Ctrl-C, or Jupyter's
-    # interrupt, reaches this child as it reaches the stdlib's.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from fiber_dask import interrupts
+
+    # As a stdlib child (its worker process may ignore SIGINT).
+    interrupts.program_process()
     # The stdlib's own bootstrap: it makes ``proc`` the current process, sets
     # parent_process(), closes stdin, runs run() and maps its outcome to the
     # exit code exactly as multiprocessing does.

@@ -237,9 +237,9 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     single-threaded Dask worker process (:func:`fiber_dask.slots.start_early`).
     """
     _die_with_parent(expected_ppid)
-    # Ctrl-C in a terminal reaches the whole process group: it is for the
-    # tasks (which get the default handler back), not for the template.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from fiber_dask import interrupts
+
+    interrupts.cluster_process()  # the slot processes take it once they serve
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -357,7 +357,9 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
     os.close(spec_r)
     if not blob:
         return 0
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from fiber_dask import interrupts
+
+    interrupts.program_process()
     spec = pickle.loads(blob)
     os.environ.clear()
     os.environ.update(spec.env)

@@ -39,7 +39,7 @@ method`` is set to something other than ``spawn``, nor with
 a worker is spawned instead, and a later start tries a fresh server.
 
 However it starts, an embedded worker process is a :class:`_Process`, which
-ignores SIGINT: a terminal's Ctrl-C and Jupyter's "interrupt kernel" signal
+ignores SIGINT (:mod:`fiber_dask.interrupts`): a terminal's Ctrl-C and Jupyter's "interrupt kernel" signal
 the whole process group, and are meant for the program and its tasks (slot
 processes and ``Process`` children take them, as the stdlib's pool workers and
 children do), not for the cluster under them.  A Dask worker that took one
@@ -60,7 +60,6 @@ import io
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
 import threading
@@ -74,6 +73,8 @@ from multiprocessing import (
     util,
 )
 from typing import Any
+
+from .. import interrupts
 
 __all__ = ["WorkerForkServer", "nanny_class", "start", "PRELOAD"]
 
@@ -161,9 +162,8 @@ class WorkerForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     cmd = (
-                        # SIGINT ignored before the imports (serve() says why)
-                        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                        "from fiber_dask.backends.workerstart import serve; "
+                        interrupts.IGNORE_FIRST  # before the imports
+                        + "from fiber_dask.backends.workerstart import serve; "
                         f"serve({listener.fileno()}, {alive_r})"
                     )
                     args = [
@@ -256,10 +256,7 @@ def serve(listener_fd: int, alive_r: int) -> None:
     """
     from multiprocessing import process
 
-    # Ignored from the command line on, before fiber_dask is imported (the
-    # stdlib's forkserver loop ignores it too, but only once it runs): a
-    # terminal's Ctrl-C during the imports would end the server.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    interrupts.cluster_process()  # already, from the command line on
     code = 0
     try:
         prep, preload = pickle.load(sys.stdin.buffer)
@@ -353,15 +350,9 @@ class _Process(context.ForkServerProcess):
         return state
 
     def run(self) -> None:
-        # A terminal's Ctrl-C and Jupyter's interrupt signal the whole process
-        # group, this worker included: it is for the program and its tasks,
-        # not for the cluster under them.  A worker that took it closed itself
-        # and told its nanny to close too (distributed's Worker.close(nanny=
-        # True)): the cluster was gone for good and the next map hung.  With
-        # SIGINT ignored here, asyncio.run installs no handler of its own; the
-        # slot processes and Process children put the default back (the
-        # stdlib's pool workers and children do take the interrupt).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ctrl-C is not for the cluster (fiber_dask.interrupts); with SIGINT
+        # ignored, asyncio.run installs no handler of its own either.
+        interrupts.cluster_process()
         if self._environ is not None:
             os.environ.clear()
             os.environ.update(self._environ)

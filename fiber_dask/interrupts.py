@@ -1,0 +1,44 @@
+"""Who takes a terminal's Ctrl-C: the one policy for SIGINT in the processes
+fiber-dask starts.
+
+A terminal's Ctrl-C and Jupyter's "interrupt kernel" send SIGINT to the whole
+process group: the program, and on the embedded cluster every process started
+under it.  The stdlib's rule is the model: the program and the processes that
+run its code (pool workers, ``Process`` children) get ``KeyboardInterrupt``;
+its machinery (the forkserver, the resource tracker, a manager's server)
+ignores it.  So here:
+
+* **the cluster ignores it** (:func:`cluster_process`): the embedded cluster's
+  Dask worker processes (:mod:`fiber_dask.backends.workerstart`, also the
+  process they are forked from, from its command line on:
+  :data:`IGNORE_FIRST`) and the slot templates (:mod:`fiber_dask.slotserver`).
+  A Dask worker that took it closed itself and told its nanny to close too:
+  the cluster was gone for good and the program's next map hung;
+* **the program's code takes it** (:func:`program_process`): a slot process
+  once it serves a pool (it ends as a stdlib pool worker does, and is
+  replaced), a ``Process`` child before ``run()`` (its worker ignored SIGINT,
+  and an exec passes that on).
+
+Workers on other hosts are in no terminal's process group and never see it.
+"""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = ["IGNORE_FIRST", "cluster_process", "program_process"]
+
+#: Put first in a ``python -c`` command of a cluster process, so that SIGINT
+#: is ignored before its imports (a Ctrl-C while it imports would end it).
+IGNORE_FIRST = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+
+
+def cluster_process() -> None:
+    """This process is the cluster's: a terminal's Ctrl-C is not for it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def program_process() -> None:
+    """This process runs the program's code: Ctrl-C raises KeyboardInterrupt
+    in its main thread, as in the stdlib's pool workers and children."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
