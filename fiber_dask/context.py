@@ -26,6 +26,18 @@ from typing import Any
 
 from .process import Process
 
+
+def _load(module: str, name: str) -> Any:
+    """``fiber_dask.<module>.<name>``, imported whole even if Ctrl-C lands
+    in the middle of that first import (:func:`fiber_dask.interrupts.deferred`)."""
+    import importlib
+
+    from .interrupts import deferred
+
+    with deferred():
+        return getattr(importlib.import_module(f"fiber_dask.{module}"), name)
+
+
 __all__ = ["DaskContext", "get_context", "default_context"]
 
 _Process = Process
@@ -60,7 +72,7 @@ class DaskContext:
         **kwargs: Any,
     ) -> Any:
         """Returns a process pool object (see :class:`fiber_dask.pool.Pool`)."""
-        from .pool import Pool
+        Pool = _load("pool", "Pool")
 
         return Pool(
             processes, initializer, initargs, maxtasksperchild, context=self, **kwargs
@@ -68,55 +80,55 @@ class DaskContext:
 
     def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802
         """Returns a queue object usable from any process of the cluster."""
-        from .queues import Queue
+        Queue = _load("queues", "Queue")
 
         return Queue(maxsize, ctx=self)
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:  # noqa: N802
         """Returns a joinable queue object usable from any process of the cluster."""
-        from .queues import JoinableQueue
+        JoinableQueue = _load("queues", "JoinableQueue")
 
         return JoinableQueue(maxsize, ctx=self)
 
     def SimpleQueue(self) -> Any:  # noqa: N802
         """Returns a simple queue object usable from any process of the cluster."""
-        from .queues import SimpleQueue
+        SimpleQueue = _load("queues", "SimpleQueue")
 
         return SimpleQueue(ctx=self)
 
     def Pipe(self, duplex: bool = True) -> Any:  # noqa: N802
         """Returns two connection objects connected by a pipe."""
-        from .connection import Pipe
+        Pipe = _load("connection", "Pipe")
 
         return Pipe(duplex)
 
     def Lock(self) -> Any:  # noqa: N802
         """Returns a lock usable from any process of the cluster."""
-        from .synchronize import Lock
+        Lock = _load("synchronize", "Lock")
 
         return Lock(ctx=self)
 
     def RLock(self) -> Any:  # noqa: N802
         """Returns a recursive lock usable from any process of the cluster."""
-        from .synchronize import RLock
+        RLock = _load("synchronize", "RLock")
 
         return RLock(ctx=self)
 
     def Semaphore(self, value: int = 1) -> Any:  # noqa: N802
         """Returns a semaphore usable from any process of the cluster."""
-        from .synchronize import Semaphore
+        Semaphore = _load("synchronize", "Semaphore")
 
         return Semaphore(value, ctx=self)
 
     def BoundedSemaphore(self, value: int = 1) -> Any:  # noqa: N802
         """Returns a bounded semaphore usable from any process of the cluster."""
-        from .synchronize import BoundedSemaphore
+        BoundedSemaphore = _load("synchronize", "BoundedSemaphore")
 
         return BoundedSemaphore(value, ctx=self)
 
     def Condition(self, lock: Any = None) -> Any:  # noqa: N802
         """Returns a condition variable usable from any process of the cluster."""
-        from .synchronize import Condition
+        Condition = _load("synchronize", "Condition")
 
         return Condition(lock, ctx=self)
 
@@ -124,13 +136,13 @@ class DaskContext:
         self, parties: int, action: Any = None, timeout: float | None = None
     ) -> Any:  # noqa: N802
         """Returns a barrier usable from any process of the cluster."""
-        from .synchronize import Barrier
+        Barrier = _load("synchronize", "Barrier")
 
         return Barrier(parties, action, timeout, ctx=self)
 
     def Value(self, typecode_or_type: Any, *args: Any, lock: Any = True) -> Any:  # noqa: N802
         """A ctypes value usable from any process of the cluster (not shared memory)."""
-        from .sharedctypes import Value
+        Value = _load("sharedctypes", "Value")
 
         return Value(typecode_or_type, *args, lock=lock, ctx=self)
 
@@ -138,32 +150,32 @@ class DaskContext:
         self, typecode_or_type: Any, size_or_initializer: Any, *, lock: Any = True
     ) -> Any:  # noqa: N802
         """A ctypes array usable from any process of the cluster (not shared memory)."""
-        from .sharedctypes import Array
+        Array = _load("sharedctypes", "Array")
 
         return Array(typecode_or_type, size_or_initializer, lock=lock, ctx=self)
 
     def RawValue(self, typecode_or_type: Any, *args: Any) -> Any:  # noqa: N802
         """A lock-less ctypes value usable from any process of the cluster."""
-        from .sharedctypes import RawValue
+        RawValue = _load("sharedctypes", "RawValue")
 
         return RawValue(typecode_or_type, *args)
 
     def RawArray(self, typecode_or_type: Any, size_or_initializer: Any) -> Any:  # noqa: N802
         """A lock-less ctypes array usable from any process of the cluster."""
-        from .sharedctypes import RawArray
+        RawArray = _load("sharedctypes", "RawArray")
 
         return RawArray(typecode_or_type, size_or_initializer)
 
     def Event(self) -> Any:  # noqa: N802
         """Returns an event usable from any process of the cluster."""
-        from .synchronize import Event
+        Event = _load("synchronize", "Event")
 
         return Event(ctx=self)
 
     def Manager(self) -> Any:  # noqa: N802
         """Returns a started SyncManager whose objects every process of the
         cluster can use (see :mod:`fiber_dask.managers`)."""
-        from .managers import SyncManager
+        SyncManager = _load("managers", "SyncManager")
 
         m = SyncManager(ctx=self)
         m.start()
@@ -266,7 +278,7 @@ class DaskContext:
 
     def active_children(self) -> list:
         """Live fiber-dask Processes started by this process."""
-        from .process import active_children
+        active_children = _load("process", "active_children")
 
         return active_children()
 

@@ -20,13 +20,24 @@ ignores it.  So here:
   and an exec passes that on).
 
 Workers on other hosts are in no terminal's process group and never see it.
+
+In the program itself, Ctrl-C raises where it lands, except in the middle of
+an import fiber-dask makes on first use (its machinery, ``distributed``):
+:func:`deferred` holds it until the import is whole.  An import cut half-way
+leaves modules half-made that fail the next time (``NameError: name
+'coroutines' is not defined`` from ``asyncio``, seen when a Ctrl-C landed in
+the first ``Pool()``), so the program that caught the KeyboardInterrupt could
+never make a Pool again.  A second Ctrl-C raises at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from typing import Iterator
 
-__all__ = ["IGNORE_FIRST", "cluster_process", "program_process"]
+__all__ = ["IGNORE_FIRST", "cluster_process", "deferred", "program_process"]
 
 #: Put first in a ``python -c`` command of a cluster process, so that SIGINT
 #: is ignored before its imports (a Ctrl-C while it imports would end it).
@@ -42,3 +53,30 @@ def program_process() -> None:
     """This process runs the program's code: Ctrl-C raises KeyboardInterrupt
     in its main thread, as in the stdlib's pool workers and children."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives in the block until its end, then raise it;
+    a second one raises at once.  Only in the main thread while SIGINT has
+    Python's own handler (a handler the program or IPython set is theirs)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt

@@ -464,7 +464,9 @@ def start_early() -> None:
     because the main module started a thread before importing fiber_dask).
 
     Only where the main module imports fiber_dask at its top level, as
-    ``import fiber_dask as multiprocessing`` does; elsewhere
+    ``import fiber_dask as multiprocessing`` does, and, for every worker of
+    the embedded cluster however it starts, as its process begins to run
+    (:class:`fiber_dask.backends.workerstart._Process`); elsewhere
     :func:`dask_setup` starts it.  The template then has the environment the
     worker process was spawned with (``distributed.nanny.pre-spawn-environ``
     included, not ``distributed.nanny.environ``, which the worker applies

@@ -24,7 +24,7 @@ import threading
 import nbclient
 import nbformat
 import pytest
-from support.interrupts import terminal_python
+from support.interrupts import python_sigint, terminal_python
 from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -217,6 +217,30 @@ def test_ctrl_c_while_the_embedded_cluster_starts(tmp_path):
     out, err = _interrupt(tmp_path, STARTUP_PROGRAM, "fiber_dask", 1)
     assert out.splitlines()[-2:] == ["interrupted", "True"], (out, err)
     assert "Traceback" not in err, err
+
+
+def test_a_ctrl_c_in_a_first_import_waits_for_it_to_be_whole():
+    # Cut half-way, an import leaves modules half-made that fail the next
+    # time (asyncio's "name 'coroutines' is not defined" after a Ctrl-C in
+    # the first Pool()): the first Ctrl-C waits for the end of the import,
+    # a second one does not.
+    from fiber_dask.interrupts import deferred
+
+    done = []
+    with python_sigint():
+        with pytest.raises(KeyboardInterrupt):
+            with deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("the import went on")
+        assert done == ["the import went on"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            with deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("not reached")
+        assert done == ["the import went on"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ------------------------------------------------------------------ Jupyter

@@ -258,7 +258,10 @@ def _run_program(path, *args, env, timeout=150) -> tuple[str, str]:
     [
         ("forkserver", False, "forked"),
         ("spawn", True, "forked"),
-        ("spawn", False, "fresh"),
+        # Spawned too, every embedded worker forks its template as it starts
+        # (backends/workerstart._Process.run), whatever the main module
+        # imports; the fresh interpreter is a `dask worker`'s (next test).
+        ("spawn", False, "forked"),
     ],
 )
 def test_the_tracker_rule_however_the_embedded_cluster_starts(

@@ -110,10 +110,12 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
     ``ClusterConnectionError(failure(timeout, error))``.  The client is marked as
     fiber-dask's own, so that :meth:`ClusterHandle.close` closes it.
     """
-    from distributed import Client
-
     from .. import config
     from ..errors import ClusterConnectionError
+    from ..interrupts import deferred
+
+    with deferred():  # a first import of distributed is made whole
+        from distributed import Client
 
     timeout = config.timedelta("connect-timeout")
     try:

@@ -71,7 +71,10 @@ class LocalBackend(Backend):
             raise
 
     def _start(self, fork_server: Any) -> ClusterHandle:
-        from distributed import Client, LocalCluster
+        from ..interrupts import deferred
+
+        with deferred():  # a first import of distributed is made whole
+            from distributed import Client, LocalCluster
 
         n_workers = config.get("local.n-workers") or os.cpu_count() or 1
         threads = config.get("local.threads-per-worker")
