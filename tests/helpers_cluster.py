@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from distributed import LocalCluster
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from distributed import Client, LocalCluster
 
 
 def loopback_cluster(n_workers: int) -> LocalCluster:
@@ -27,3 +33,48 @@ def runs_under(pid: int, worker_pids) -> bool:
     except psutil.NoSuchProcess:
         return False
     return any(p in set(worker_pids) for p in chain)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def command_line_cluster(
+    env: dict, nthreads: int = 2
+) -> Iterator[tuple[str, subprocess.Popen, subprocess.Popen]]:
+    """A cluster started as users start one by hand: ``dask scheduler`` and
+    one ``dask worker`` (with its nanny) on 127.0.0.1, in ``env``.  Yields
+    ``(address, scheduler, worker)`` once the worker has joined; stops both
+    at the end (killed if they have not exited 30 s after SIGTERM, or
+    already killed by the test)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    quiet = subprocess.DEVNULL
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+         "127.0.0.1", "--port", str(port), "--no-dashboard"],
+        env=env, stdout=quiet, stderr=quiet,
+    )  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", address,
+         "--nthreads", str(nthreads), "--nworkers", "1", "--no-dashboard",
+         "--host", "127.0.0.1"],
+        env=env, stdout=quiet, stderr=quiet,
+    )  # fmt: skip
+    try:
+        with Client(address, timeout=60, set_as_default=False) as c:
+            c.wait_for_workers(1, timeout=60)
+        yield address, scheduler, worker
+    finally:
+        for p in (worker, scheduler):
+            p.terminate()
+        for p in (worker, scheduler):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -12,7 +12,6 @@ import functools
 import importlib.machinery
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ import dask
 import psutil
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
+from helpers_cluster import command_line_cluster, loopback_cluster
 from helpers_poolcore import (
     NeedsArgs,
     base,
@@ -325,12 +324,6 @@ def test_pool_lists_its_slots_and_map_async_reports_progress(fiber_ctx):
 # ------------------------------------------------------- 11.3 scheduler loss
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -374,24 +367,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_losing_the_scheduler(tmp_path):
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
     env = _env(DASK_FIBER__CONNECT_TIMEOUT="3s")
-    quiet = subprocess.DEVNULL
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
-         "127.0.0.1", "--port", str(port), "--no-dashboard"],
-        env=env, stdout=quiet, stderr=quiet,
-    )  # fmt: skip
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", address,
-         "--nthreads", "2", "--nworkers", "1", "--no-dashboard",
-         "--host", "127.0.0.1"],
-        env=env, stdout=quiet, stderr=quiet,
-    )  # fmt: skip
-    try:
-        with Client(address, timeout=60, set_as_default=False) as c:
-            c.wait_for_workers(1, timeout=60)
+    with command_line_cluster(env) as (address, scheduler, _):
         script = tmp_path / "lose_scheduler.py"
         script.write_text(SCHEDULER_LOSS)
         proc = subprocess.Popen(
@@ -411,10 +388,6 @@ def test_losing_the_scheduler(tmp_path):
         assert float(seconds) < 3 + 10  # about the connect timeout, not 60 s
         end = float(next(x for x in out.splitlines() if x.startswith("END")).split()[1])
         assert ended - end < 15, f"exit took {ended - end:.1f}s"
-    finally:
-        for p in (worker, scheduler):
-            p.kill()
-            p.wait()
 
 
 # ------------------------------------------------------------------ 11.6 exit

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 
 import helpers_stdlib_inside as h
 import pytest
+from helpers_cluster import command_line_cluster
 from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -279,53 +279,19 @@ def test_the_tracker_rule_however_the_embedded_cluster_starts(
     assert seen["slots"] == seen["workers"] == [seen["owner"]], seen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_tracker_rule_on_a_cluster_started_on_the_command_line(tmp_path):
     # `dask worker` with a nanny: the worker's tracker is its nanny's, and the
     # slot template (a fresh interpreter there) hands it to its slots.
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    env = _env()
-    quiet = subprocess.DEVNULL
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
-         "127.0.0.1", "--port", str(port), "--no-dashboard"],
-        env=env, stdout=quiet, stderr=quiet,
-    )  # fmt: skip
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", address,
-         "--nthreads", "2", "--nworkers", "1", "--no-dashboard",
-         "--host", "127.0.0.1"],
-        env=env, stdout=quiet, stderr=quiet,
-    )  # fmt: skip
-    try:
-        from distributed import Client
-
-        with Client(address, timeout=60, set_as_default=False) as c:
-            c.wait_for_workers(1, timeout=60)
+    with command_line_cluster(_env()) as (address, _, _):
         script = tmp_path / "rule.py"
         script.write_text(TRACKER_RULE)
-        out, err = _run_program(script, address, env=env)
-        seen = json.loads(out.splitlines()[-1])
-        assert seen["templates"] == "fresh", seen
-        assert len(seen["workers"]) == 1 and isinstance(seen["workers"][0], int)
-        assert seen["slots"] == seen["workers"], seen
-        assert seen["owner"] not in seen["workers"]  # another program's tracker
-    finally:
-        for p in (worker, scheduler):
-            p.terminate()
-        for p in (worker, scheduler):
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        out, err = _run_program(script, address, env=_env())
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["templates"] == "fresh", seen
+    assert len(seen["workers"]) == 1 and isinstance(seen["workers"][0], int)
+    assert seen["slots"] == seen["workers"], seen
+    assert seen["owner"] not in seen["workers"]  # another program's tracker
 
 
 LEFT_BEHIND = """
