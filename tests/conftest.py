@@ -12,7 +12,7 @@ The conformance suite asks one question per test — "does fiber_dask do what st
 
 At session end the embedded cluster is shut down and we check that no worker
 process outlived it (loky's lesson: a leaked worker is a bug, and it is easy to
-miss unless a teardown asserts on it).
+miss unless a teardown asserts on it), nor a named semaphore in /dev/shm.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 
 import dask.config
 import psutil
@@ -35,6 +36,8 @@ if TESTS_DIR not in sys.path:
 _pythonpath = os.environ.get("PYTHONPATH", "")
 if TESTS_DIR not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, _pythonpath) if p)
+
+from support import semaphores  # noqa: E402 - needs TESTS_DIR on sys.path
 
 N_WORKERS = 2
 
@@ -113,6 +116,7 @@ def _fiber_session():
     the config it reads, for the whole session, and shut it down at the end.
     """
     preexisting = {p.pid for p in psutil.Process().children(recursive=True)}
+    shm = semaphores.snapshot()
     with dask.config.set({"fiber.local.n-workers": N_WORKERS}):
         try:
             yield
@@ -123,6 +127,26 @@ def _fiber_session():
             if shutdown is not None:
                 shutdown()
     _check_no_leaked_processes(preexisting)
+    _check_no_leaked_semaphores(shm)
+
+
+def _check_no_leaked_semaphores(before: set[str]) -> None:
+    """Fail if the session left named semaphores nobody holds in /dev/shm.
+
+    A resource tracker unlinks its process's semaphores when that process ends,
+    a moment later; harnesses that kill stand-in machines clear theirs
+    (support.semaphores).  Whatever else is left leaked, on every run."""
+    deadline = time.monotonic() + LEAK_GRACE
+    while (left := semaphores.orphans(before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        semaphores.remove_orphans(before)
+        pytest.fail(
+            f"{len(left)} named semaphore(s) made during the session were left in "
+            f"/dev/shm with no process holding them (removed now): "
+            f"{', '.join(left[:10])}",
+            pytrace=False,
+        )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import yaml
+from support import semaphores
 from support.wait import wait_until
 
 CRD_DIR = (
@@ -457,6 +458,7 @@ class Kubelet:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
         self.errors: list[str] = []
+        self._semaphores = semaphores.snapshot()
 
     def __enter__(self) -> Kubelet:
         self._thread.start()
@@ -467,6 +469,8 @@ class Kubelet:
         self._thread.join(30)
         for name in list(self.procs):
             self._kill(name)
+        # the pods' /dev/shm would have gone with them
+        semaphores.remove_orphans(self._semaphores)
 
     # -------------------------------------------------------------- the loop
 

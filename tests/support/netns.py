@@ -71,6 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support import semaphores
+
 __all__ = [
     "unavailable",
     "Network",
@@ -162,6 +164,7 @@ class Network:
 
     def __init__(self, workdir: str | os.PathLike) -> None:
         _remove_stale()
+        self._semaphores = semaphores.snapshot()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
@@ -235,6 +238,8 @@ class Network:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         _ip("netns", "del", self.switch, check=False)
+        # the hosts' /dev/shm would have gone with them
+        semaphores.remove_orphans(self._semaphores)
 
     def switch_host(self) -> Host:
         """The switch's namespace as a host that runs processes (a capture of
