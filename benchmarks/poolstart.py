@@ -11,7 +11,7 @@ share it) by wrapping the functions that mark it, in the owner and, through
 * ``submitted``: ``Pool()`` returned (slot claim + the loops' ``client.map``);
 * ``started``: the loop's Dask task began (``poolworker.serve_slot``);
 * ``dialling``: a process's first loop dials the owner (the process's link,
-  :mod:`fiber_dask.poollink`: one per worker process with thread slots);
+  :mod:`fiber_dask.engine.poollink`: one per worker process with thread slots);
 * ``connected``: that handshake finished (worker side);
 * ``accepted``: the owner's pool took the link (``PoolEngine._on_connect``);
 * ``attached``: the owner took in a loop on its link (``PoolEngine._on_attach``);
@@ -64,7 +64,8 @@ def slot_task(seconds: float) -> tuple[float, int, int]:
 
 def _install() -> int:
     """In a worker: wrap the functions that mark the loop's phases."""
-    from fiber_dask import channel, poolworker, slottask
+    from fiber_dask.comm import channel
+    from fiber_dask.engine import poolworker, slottask
 
     if getattr(poolworker, "_probe_installed", False):
         _stamps.clear()
@@ -176,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_profile:
         dask.config.set({"distributed.worker.profile.enabled": False})
     import fiber_dask
-    from fiber_dask import cluster, gate, poolengine
+    from fiber_dask import cluster
+    from fiber_dask.comm import gate
+    from fiber_dask.engine import poolengine
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         x for x in (os.getcwd(), os.environ.get("PYTHONPATH")) if x

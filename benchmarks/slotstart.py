@@ -12,7 +12,7 @@ stdlib's ``multiprocessing.Pool`` (fork) alongside where it has an equivalent:
                           ``Pool(workers)`` and its first ``apply``);
 ``all slots``             until every slot has served a task;
 ``cold template``         a template process started from scratch in this process
-                          (``fiber_dask.slots.Template``) until its first slot process
+                          (``fiber_dask.engine.slots.Template``) until its first slot process
                           connects: the interpreter plus fiber_dask's imports;
 ``next slot``             a further slot process of that template, until it connects
                           (the hand-over of the spare the template keeps forked);
@@ -54,7 +54,7 @@ from benchmarks.common import median, noop  # noqa: E402
 if os.environ.get("SLOTSTART_IMPORT") != "late":
     # As a user's script does (`import fiber_dask as multiprocessing`): the
     # embedded cluster's workers import it with this module and start their
-    # slot templates then (fiber_dask.slots.early_templates).
+    # slot templates then (fiber_dask.engine.slots.early_templates).
     import fiber_dask  # noqa: E402, F401
 
 
@@ -75,7 +75,8 @@ def restart_cost(pool, calls: int, func=noop) -> float:
 
 
 def template_costs() -> tuple[float, float]:
-    from fiber_dask import channel, slots
+    from fiber_dask.comm import channel
+    from fiber_dask.engine import slots
 
     authkey = os.urandom(32)
     server = channel.get_server("127.0.0.1", authkey)

@@ -22,7 +22,7 @@ from .errors import (
     PoolTerminatedError,
     WorkerLostError,
 )
-from .mainglobals import keep_code_filenames
+from .launch.mainglobals import keep_code_filenames
 from .meta import meta
 
 keep_code_filenames()  # tracebacks from children and workers name the real file
@@ -90,7 +90,7 @@ __all__.append("reducer")
 
 # Last of all: in a Dask worker process of the embedded cluster, fork the
 # pool-slot template now, with fiber_dask imported and the process still
-# single-threaded (fiber_dask.slots.start_early).
-from . import slots as _slots  # noqa: E402
+# single-threaded (fiber_dask.engine.slots.start_early).
+from .engine import slots as _slots  # noqa: E402
 
 _slots.start_early()

@@ -37,12 +37,14 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import config, mainguard, peerslots, privaterandom
-from .backends import ClusterHandle, load_backend
+from . import config
+from .backends import ClusterHandle, load_backend, peerslots
 from .backends import address as address_rules
 from .backends.address import configured_address
 from .backends.upcluster import running_handle
 from .errors import ClusterConnectionError
+from .launch import mainguard
+from .transparency import privaterandom
 
 __all__ = [
     "init",
@@ -288,7 +290,7 @@ def listen_host(resolve_cluster: bool = False) -> str:
 def _resolve(backend: str | None, address: str | None, client: Any) -> ClusterHandle:
     # Before any Dask code runs here on our behalf (a backend starting a
     # scheduler, a client connecting): Dask's draws must not move the
-    # program's random state (fiber_dask.privaterandom).
+    # program's random state (fiber_dask.transparency.privaterandom).
     privaterandom.isolate_dask()
     handle = _find(backend, address, client)
     if not handle.listen_host:  # a third-party backend that left it to us
@@ -431,7 +433,7 @@ class SlotClaim:
 
     def resize(self, n: int) -> None:
         """Hold ``n`` slots from now on: an elastic pool gave some back, or asks
-        for them again (:mod:`fiber_dask.poolelastic`); a cluster fiber-dask
+        for them again (:mod:`fiber_dask.engine.poolelastic`); a cluster fiber-dask
         manages grows if the slots in use no longer fit (never shrinks: that is
         adaptive scaling's call).  No effect once released."""
         n = max(0, n)

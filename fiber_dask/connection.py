@@ -70,8 +70,7 @@ from multiprocessing.connection import Connection as _StdConnection
 from multiprocessing.connection import wait as _select_wait
 from typing import Any
 
-from .mainglobals import dumps_for_child
-from .objserver import (
+from .comm.objserver import (
     Remote,
     ServedObject,
     get_object_server,
@@ -79,7 +78,8 @@ from .objserver import (
     resolve,
     wait_for_holder,
 )
-from .tls import message_view, receive_into
+from .comm.tls import message_view, receive_into
+from .launch.mainglobals import dumps_for_child
 
 __all__ = ["Client", "Connection", "Listener", "Pipe", "wait"]
 

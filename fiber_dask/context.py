@@ -29,10 +29,10 @@ from .process import Process
 
 def _load(module: str, name: str) -> Any:
     """``fiber_dask.<module>.<name>``, imported whole even if Ctrl-C lands
-    in the middle of that first import (:func:`fiber_dask.interrupts.deferred`)."""
+    in the middle of that first import (:func:`fiber_dask.transparency.interrupts.deferred`)."""
     import importlib
 
-    from .interrupts import deferred
+    from .transparency.interrupts import deferred
 
     with deferred():
         return getattr(importlib.import_module(f"fiber_dask.{module}"), name)

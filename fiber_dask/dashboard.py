@@ -2,10 +2,10 @@
 
 Dask's dashboard shows a pool as one long task per slot.  This module, loaded
 into the scheduler, adds what the pools' owners report
-(:mod:`fiber_dask.poolstats`):
+(:mod:`fiber_dask.engine.poolstats`):
 
 * ``/fiber/pools.json`` on the scheduler's HTTP server: the live pools, the
-  document of :meth:`fiber_dask.poolstats.PoolStore.document` (needs nothing
+  document of :meth:`fiber_dask.engine.poolstats.PoolStore.document` (needs nothing
   beyond distributed);
 * ``/fiber-pools``, a bokeh app registered with the scheduler's dashboard as
   distributed registers its own pages (listed in its "More..." menu): one row
@@ -34,8 +34,8 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from . import poolstats
 from .backends.base import scheduler_preloads as preload_modules
+from .engine import poolstats
 
 __all__ = [
     "PoolDashboard",

@@ -122,7 +122,7 @@ _worker_state = threading.local()
 def _main_namespace() -> Any:
     ns = getattr(_worker_state, "main", None)
     if ns is None:
-        from .mainglobals import MainNamespace
+        from .launch.mainglobals import MainNamespace
 
         ns = _worker_state.main = MainNamespace()
     return ns
@@ -135,7 +135,7 @@ def _initialize(initializer: Callable | None, initargs: tuple) -> None:
     follow share globals as in a stdlib worker process, and a loop restarted by
     ``max_tasks_per_child`` starts from nothing, as a new process would.
     """
-    from .mainglobals import MainNamespace
+    from .launch.mainglobals import MainNamespace
 
     _worker_state.main = MainNamespace()
     if initializer is None:

@@ -15,7 +15,7 @@ fiber-dask changes where things live and how they are reached:
   keep-alive and a user timeout bound the wait to about 30 s).  The server
   exits with the process that started it, even if that one is SIGKILLed.
 * **Proxies work anywhere**: they carry the manager's authkey when pickled (see
-  :mod:`fiber_dask.proxies`), so a proxy passed to a Process or a Pool task on
+  :mod:`fiber_dask.comm.proxies`), so a proxy passed to a Process or a Pool task on
   another host still reaches its object.
 * **Locks held by a dead client cannot deadlock the others**: a managed
   ``Lock``, ``RLock``, ``Semaphore`` or ``BoundedSemaphore`` remembers which
@@ -27,7 +27,7 @@ fiber-dask changes where things live and how they are reached:
   local processes.
 * **TLS when the cluster uses it**: the server process listens in the mode
   (and with the certificate) of the process that started it; see
-  :mod:`fiber_dask.security`.
+  :mod:`fiber_dask.comm.security`.
 * :class:`AsyncManager` (from Fiber): proxy calls return results to collect
   later, so one controller can drive hundreds of remote objects.
 
@@ -45,8 +45,8 @@ import weakref
 from multiprocessing import managers as _std
 from typing import Any
 
-from . import proxies
-from .proxies import (
+from .comm import proxies
+from .comm.proxies import (
     AsyncAutoProxy,
     AsyncBaseProxy,
     AsyncProxyResult,
@@ -113,7 +113,7 @@ _leased: weakref.WeakSet[SemaphoreState] = weakref.WeakSet()
 class Server(_std.Server):
     """The stdlib's manager server; what a connection held is released when
     the connection ends.  Connections are accepted and authenticated by this
-    process's handshake gate (:mod:`fiber_dask.gate`), not by a thread per
+    process's handshake gate (:mod:`fiber_dask.comm.gate`), not by a thread per
     connection: a peer must finish the handshake within the gate's deadline,
     may keep only a bounded number waiting, and hears nothing but the
     protocol's ``#FAILURE#`` if it fails (the stdlib sends it a pickled
@@ -123,7 +123,7 @@ class Server(_std.Server):
         sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
         if sock is None:  # not a socket listener: the stdlib's own loop
             return super().accepter()
-        from . import channel, gate
+        from .comm import channel, gate
 
         authkey = bytes(self.authkey)
         gate.get_gate().listen(
@@ -176,13 +176,13 @@ class Server(_std.Server):
 
 def _server_handshake(authkey: bytes) -> Any:
     """The server's side of the stdlib's handshake (``deliver_challenge``,
-    then ``answer_challenge``), as a :mod:`fiber_dask.gate` handshake: one
+    then ``answer_challenge``), as a :mod:`fiber_dask.comm.gate` handshake: one
     deadline for all of it, frames of at most 256 bytes."""
     import hmac
     from multiprocessing import AuthenticationError
     from multiprocessing import connection as mpc
 
-    from . import gate
+    from .comm import gate
 
     challenge = getattr(mpc, "_CHALLENGE", None) or mpc.CHALLENGE
     welcome = getattr(mpc, "_WELCOME", None) or mpc.WELCOME
@@ -319,7 +319,7 @@ def _server_init(
     mode for the listener, watch the owner, then the user's initializer."""
     import dask.config
 
-    from . import security
+    from .comm import security
 
     if settings:
         dask.config.set(settings)
@@ -342,7 +342,8 @@ def _cluster_settings(tls_settings: Any = None) -> dict:
     """Config for the server process so that ``manager.Pool()`` attaches to
     this process's cluster instead of starting one of its own (with this
     process's certificate when the cluster uses TLS)."""
-    from . import cluster, security
+    from . import cluster
+    from .comm import security
 
     handle = cluster.current_handle()
     if handle is None:
@@ -400,7 +401,7 @@ class BaseManager(_std.BaseManager):
             raise TypeError("initializer must be a callable")
         if self._state.value == State.INITIAL and self._address is None:
             self._address = (_manager_host(), 0)
-        from . import security
+        from .comm import security
 
         tls_settings = security.export()  # the server listens as this process connects
         super().start(
@@ -486,7 +487,7 @@ class AsyncManager(BaseManager):
     """A manager whose proxies return results to collect later (Fiber's).
 
     Every method call on its proxies sends the request and returns an
-    :class:`~fiber_dask.proxies.AsyncProxyResult` at once (``get(timeout)`` /
+    :class:`~fiber_dask.comm.proxies.AsyncProxyResult` at once (``get(timeout)`` /
     ``result(timeout)``, ``ready()``), so a controller can call hundreds of
     objects and then gather the answers::
 

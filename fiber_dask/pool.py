@@ -15,9 +15,9 @@ How a call travels::
     Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
     died, scales the cluster.  Per task there is no scheduler round trip.
 
-The messages are :mod:`fiber_dask.poolprotocol`'s (both ends use it); the
-dispatcher is :class:`fiber_dask.poolengine.PoolEngine`; the loop is
-:mod:`fiber_dask.poolworker`; jobs and results are :mod:`fiber_dask.poolresults`.
+The messages are :mod:`fiber_dask.engine.poolprotocol`'s (both ends use it); the
+dispatcher is :class:`fiber_dask.engine.poolengine.PoolEngine`; the loop is
+:mod:`fiber_dask.engine.poolworker`; jobs and results are :mod:`fiber_dask.engine.poolresults`.
 
 Each loop keeps a few chunks queued (``fiber.pool.prefetch`` worth of work,
 learned from observed chunk times) so it never waits for the owner, and long
@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from . import cluster, config
-from .poolengine import CLOSE, INIT, RUN, TERMINATE, PoolEngine  # noqa: F401  (as the stdlib)
-from .poolresults import (
+from .engine.poolengine import CLOSE, INIT, RUN, TERMINATE, PoolEngine  # noqa: F401  (as the stdlib)
+from .engine.poolresults import (
     ApplyResult,
     AsyncResult,
     IMapIterator,
@@ -260,7 +260,7 @@ class Pool(PoolEngine):
 
         Without ``chunksize`` (and ``fiber.pool.chunksize`` unset) chunks are
         sized from the function's measured duration and the pool's slots
-        (:func:`fiber_dask.poolresults.measured_chunksize`; docs/scale.md);
+        (:func:`fiber_dask.engine.poolresults.measured_chunksize`; docs/scale.md);
         a given ``chunksize`` is used as the stdlib uses it.
         """
         return self._wait(self._map_async(func, iterable, 0, chunksize))
@@ -346,7 +346,7 @@ class Pool(PoolEngine):
         if chunksize is not None:
             chunksize = max(int(chunksize), 1)
         # None: sized chunk by chunk from measured task durations
-        # (fiber_dask.poolresults.measured_chunksize), not the stdlib's
+        # (fiber_dask.engine.poolresults.measured_chunksize), not the stdlib's
         # len / (4 x processes), which at 1024 slots sends one item per chunk
         # of short tasks and swamps the owner.
         job = MapResult(

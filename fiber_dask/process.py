@@ -37,7 +37,7 @@ How a Process runs::
 The launcher secedes from the worker's thread pool once the child runs, so a
 running Process does not hold a task slot (as stdlib processes oversubscribe
 the CPUs); ``resources=`` stay reserved until it ends.  This module is the
-parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launcher`.
+parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launch.launcher`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
 )
 from typing import Any
 
-from . import channel, cluster, launcher, privaterandom, security
-from .mainglobals import dumps_for_child, main_path
+from . import cluster
+from .comm import channel, security
+from .launch import launcher
+from .launch.mainglobals import dumps_for_child, main_path
+from .transparency import privaterandom
 
 __all__ = [
     "Process",

@@ -32,7 +32,7 @@ from typing import Any
 
 import cloudpickle
 
-from .objserver import (
+from .comm.objserver import (
     NO_REPLY,
     Remote,
     ServedObject,

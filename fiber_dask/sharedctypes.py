@@ -26,7 +26,7 @@ from multiprocessing.sharedctypes import (  # noqa: F401 - the stdlib module's n
 )
 from typing import Any
 
-from .objserver import Remote, ServedObject
+from .comm.objserver import Remote, ServedObject
 from .synchronize import Lock, RLock, ServedHandle
 
 __all__ = ["RawValue", "RawArray", "Value", "Array", "copy", "synchronized"]

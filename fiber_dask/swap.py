@@ -77,7 +77,7 @@ Where it is installed
 * any worker, including those of an existing cluster or a Kubernetes one, and workers
   added later by adaptive scaling: a worker plugin (:func:`worker_plugin`) registered
   for the run; it also sets :data:`ENV_VAR` in the worker;
-* children of ``fiber_dask.Process`` (:mod:`fiber_dask.processchild`): they
+* children of ``fiber_dask.Process`` (:mod:`fiber_dask.launch.processchild`): they
   inherit :data:`ENV_VAR` from their worker and call :func:`install_from_environ`
   before loading the process object.
 
@@ -472,7 +472,7 @@ _plugin_cls: Any = None
 
 def _plugin_class() -> Any:
     # distributed is imported only when a plugin is wanted: the stand-in main and
-    # fiber_dask.processchild import this module and should stay light.
+    # fiber_dask.launch.processchild import this module and should stay light.
     global _plugin_cls
     if _plugin_cls is None:
         from distributed.diagnostics.plugin import WorkerPlugin

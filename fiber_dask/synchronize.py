@@ -22,12 +22,7 @@ import uuid
 from multiprocessing import synchronize as _std_synchronize
 from typing import Any
 
-from .objserver import (
-    ServedObject,
-    get_object_server,
-    keep_until_unused,
-    resolve,
-)
+from .comm.objserver import ServedObject, get_object_server, keep_until_unused, resolve
 
 __all__ = [
     "Lock",

@@ -156,7 +156,7 @@ def tracker_pipe_in_use(_=None) -> int | str | None:
 def template_kinds(_=None) -> str:
     """How this slot process's template started: "fresh" or "forked"."""
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-        return "fresh" if b"fiber_dask.slotserver" in f.read() else "forked"
+        return "fresh" if b"fiber_dask.engine.slotserver" in f.read() else "forked"
 
 
 def square(x: int) -> int:

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 from support.wait import wait_until
 
-from fiber_dask import channel, gate
+from fiber_dask.comm import channel, gate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,7 +260,7 @@ def test_rejections_are_logged_once_per_address_and_interval(monkeypatch, caplog
     g = gate.get_gate()
     g._log._windows.clear()  # earlier tests' windows
     s = channel.ChannelServer("127.0.0.1", b"right-key")
-    caplog.set_level(logging.WARNING, logger="fiber_dask.gate")
+    caplog.set_level(logging.WARNING, logger="fiber_dask.comm.gate")
     try:
         rejected = g.stats["rejected"]
         for _ in range(20):

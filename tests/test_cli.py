@@ -512,7 +512,7 @@ def test_run_without_main_guard_says_so_in_one_line(tmp_path: pathlib.Path) -> N
     ],
 )
 def test_main_guard_detection(source: str, guarded: bool) -> None:
-    from fiber_dask import mainguard
+    from fiber_dask.launch import mainguard
 
     assert mainguard.has_main_guard(source) is guarded
 

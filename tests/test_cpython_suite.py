@@ -176,7 +176,7 @@ def test_manager_pool_gets_its_slots_on_the_embedded_cluster():
             pool.terminate()
             pool.join()
         wait_until(
-            lambda: fiber_dask.peerslots.peer_slots() == 0,
+            lambda: fiber_dask.backends.peerslots.peer_slots() == 0,
             30,
             "the manager's claim to be withdrawn",
         )

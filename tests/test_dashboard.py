@@ -1,6 +1,6 @@
 """Pools where Dask users look: the JSON endpoint, the dashboard page, `info`.
 
-Real clusters on loopback, real pools reporting to them (fiber_dask.poolstats),
+Real clusters on loopback, real pools reporting to them (fiber_dask.engine.poolstats),
 numbers read from the scheduler's HTTP server as a browser or script would:
 
 * the embedded cluster (the session's, started by the ``local`` backend with
@@ -37,7 +37,8 @@ from support import browser
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import dashboard, poolstats
+from fiber_dask import dashboard
+from fiber_dask.engine import poolstats
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +62,7 @@ def stats_cluster(preload: bool = True, bokeh: bool = True):
         host="127.0.0.1",
         dashboard_address="127.0.0.1:0",
         scheduler_kwargs=scheduler,
-        preload=["fiber_dask.slots"],
+        preload=["fiber_dask.engine.slots"],
     )
 
 

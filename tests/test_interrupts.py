@@ -224,7 +224,7 @@ def test_a_ctrl_c_in_a_first_import_waits_for_it_to_be_whole():
     # time (asyncio's "name 'coroutines' is not defined" after a Ctrl-C in
     # the first Pool()): the first Ctrl-C waits for the end of the import,
     # a second one does not.
-    from fiber_dask.interrupts import deferred
+    from fiber_dask.transparency.interrupts import deferred
 
     done = []
     with python_sigint():

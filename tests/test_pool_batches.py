@@ -21,7 +21,7 @@ from support.wait import wait_for_file
 
 import fiber_dask
 from fiber_dask import WorkerLostError
-from fiber_dask import poolprotocol as proto
+from fiber_dask.engine import poolprotocol as proto
 
 pytestmark = pytest.mark.timeout(180)
 

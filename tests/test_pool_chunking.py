@@ -17,7 +17,7 @@ from helpers_poolcore import counted_square, executions
 from support.wait import wait_for_file
 
 import fiber_dask
-from fiber_dask.poolresults import measured_chunksize
+from fiber_dask.engine.poolresults import measured_chunksize
 
 pytestmark = pytest.mark.timeout(180)
 

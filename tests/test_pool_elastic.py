@@ -1,4 +1,4 @@
-"""Elastic pools (``fiber.pool.idle-timeout``, :mod:`fiber_dask.poolelastic`).
+"""Elastic pools (``fiber.pool.idle-timeout``, :mod:`fiber_dask.engine.poolelastic`).
 
 An open pool's idle slots give their Dask slot back, so adaptive scaling can
 retire the workers, and the pool asks for slots again when work is queued:
@@ -33,7 +33,8 @@ import pytest
 from support.wait import wait_until
 
 import fiber_dask
-from fiber_dask import config, poolelastic
+from fiber_dask import config
+from fiber_dask.engine import poolelastic
 
 # ------------------------------------------------------------------ the setting
 

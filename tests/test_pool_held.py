@@ -1,4 +1,4 @@
-"""A pool that waits for task slots says at once who holds them (fiber_dask.poolwait).
+"""A pool that waits for task slots says at once who holds them (fiber_dask.engine.poolwait).
 
 Real clusters on loopback, real programs holding the slots:
 
@@ -34,7 +34,7 @@ from helpers_dashboard import hold
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import poolwait
+from fiber_dask.engine import poolwait
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,7 +52,7 @@ def shared_cluster(plugin: bool) -> LocalCluster:
         host="127.0.0.1",
         dashboard_address=None,
         scheduler_kwargs={"preload": ["fiber_dask.dashboard"]} if plugin else {},
-        preload=["fiber_dask.slots"],
+        preload=["fiber_dask.engine.slots"],
     )
 
 

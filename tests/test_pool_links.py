@@ -29,8 +29,9 @@ from helpers_poolcore import base, executions
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import channel, poollink, security
-from fiber_dask import poolprotocol as proto
+from fiber_dask.comm import channel, security
+from fiber_dask.engine import poollink
+from fiber_dask.engine import poolprotocol as proto
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -333,7 +334,7 @@ def test_junk_from_the_owner_drops_the_link(owner, caplog):
 
 
 def test_a_loop_that_left_is_never_interrupted_nor_its_process_ended(monkeypatch):
-    from fiber_dask import poolworker
+    from fiber_dask.engine import poolworker
 
     def exit_(code):  # a failure here must fail the test, not end pytest
         raise AssertionError(f"os._exit({code}) after the loop left")
@@ -360,7 +361,7 @@ def test_a_loop_that_left_is_never_interrupted_nor_its_process_ended(monkeypatch
 def test_serve_slot_leaves_its_loop_before_it_leaves_the_link(owner, monkeypatch):
     # The link's EOF (when this loop hangs it up) and a late TERMINATE come
     # after serve_slot has moved on: its loop must have left by then.
-    from fiber_dask import poolworker
+    from fiber_dask.engine import poolworker
 
     made = []
 

@@ -10,7 +10,7 @@ import random
 import pytest
 from helpers_poolcore import NeedsArgs
 
-from fiber_dask import poolprotocol as proto
+from fiber_dask.engine import poolprotocol as proto
 from fiber_dask.errors import RemoteTaskError
 
 

@@ -1,7 +1,7 @@
 """Pool slot processes (``fiber.pool.slots: process``): stdlib pool-worker semantics.
 
 Each pool slot's tasks run in a process of its own, forked from a per-Dask-worker
-template (``fiber_dask.slots``).  The stdlib is the oracle where it applies
+template (``fiber_dask.engine.slots``).  The stdlib is the oracle where it applies
 (signals, the main thread, ``maxtasksperchild``); crash isolation and lifetimes
 are checked with real crashes and real SIGKILLs, waiting on markers and on
 conditions, never on timers.
@@ -28,8 +28,9 @@ from support.processes import running
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import channel, slots
-from fiber_dask import poolprotocol as proto
+from fiber_dask.comm import channel
+from fiber_dask.engine import poolprotocol as proto
+from fiber_dask.engine import slots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -640,7 +641,7 @@ EARLY_SCRIPT = textwrap.dedent(
             ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         shared = pipes(pid) & pipes(os.getpid())
         # The worker's resource-tracker pipe is shared on purpose
-        # (fiber_dask/resourcetracker.py): slot processes use that tracker.
+        # (fiber_dask/transparency/resourcetracker.py): slot processes use that tracker.
         from multiprocessing import resource_tracker
 
         tracker = os.readlink(f"/proc/self/fd/{resource_tracker.getfd()}")

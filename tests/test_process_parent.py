@@ -18,7 +18,7 @@ import psutil
 import pytest
 from support.wait import wait_until
 
-from fiber_dask import launcher
+from fiber_dask.launch import launcher
 
 
 def _lines(path: str) -> list[str]:

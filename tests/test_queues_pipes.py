@@ -20,7 +20,7 @@ import pytest
 from support.wait import wait_for_file, wait_until
 
 import fiber_dask
-from fiber_dask import objserver
+from fiber_dask.comm import objserver
 
 pytestmark = pytest.mark.timeout(60)
 

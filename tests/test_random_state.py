@@ -5,7 +5,7 @@ stdlib's ``multiprocessing`` and under fiber-dask, each in a fresh interpreter
 that starts its own embedded cluster, as a user's script does; the numbers it
 draws from ``random`` and ``numpy.random`` between its operations must be the
 same.  fiber-dask's own code and Dask's (the embedded scheduler and nannies
-run in the program's process) draw from :mod:`fiber_dask.privaterandom`'s
+run in the program's process) draw from :mod:`fiber_dask.transparency.privaterandom`'s
 generator instead of the program's.
 """
 
@@ -23,7 +23,7 @@ import psutil
 import pytest
 from support.wait import wait_until
 
-from fiber_dask import privaterandom
+from fiber_dask.transparency import privaterandom
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "support", "seeded_program.py")
@@ -105,7 +105,9 @@ def test_every_loaded_module_binding_the_global_random_is_accounted_for(owner):
     generator is either rebound or left alone for a stated reason: a new
     drawer in a newer Dask fails here instead of silently moving the streams."""
     found = set(owner["fiber"]["bind_global_random"])
-    found.discard("fiber_dask.privaterandom")  # holds `random` to make its own
+    found.discard(
+        "fiber_dask.transparency.privaterandom"
+    )  # holds `random` to make its own
     unknown = found - set(privaterandom.LEFT_ALONE)
     assert not unknown, f"modules drawing from the program's generator: {unknown}"
 

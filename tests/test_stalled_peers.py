@@ -22,7 +22,8 @@ import time
 import pytest
 from support.wait import wait_until
 
-from fiber_dask import channel, cluster, gate
+from fiber_dask import cluster
+from fiber_dask.comm import channel, gate
 
 pytestmark = pytest.mark.timeout(120)
 

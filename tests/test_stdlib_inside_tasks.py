@@ -9,7 +9,7 @@ there a stdlib Pool, a stdlib Process and a DataLoader's workers are refused
 and joblib goes sequential with a warning; a Process child is not, so there
 they run, in parallel.
 
-Then the rule behind it (fiber_dask/resourcetracker.py): a slot process uses
+Then the rule behind it (fiber_dask/transparency/resourcetracker.py): a slot process uses
 its Dask worker's resource tracker, which on the embedded cluster is the
 program's own, however the worker and the slot template were started, and a
 segment a task leaves behind is unlinked at the program's exit with the

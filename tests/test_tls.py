@@ -1,4 +1,4 @@
-"""TLS on the direct connections, on one host (loopback): ``fiber_dask.tls``.
+"""TLS on the direct connections, on one host (loopback): ``fiber_dask.comm.tls``.
 
 The connection class itself (framing, ``poll`` with data already decrypted,
 large messages, end of stream, both directions at once), what goes on the
@@ -27,8 +27,9 @@ import pytest
 from distributed.security import Security
 from support.wait import wait_until
 
-from fiber_dask import channel, cluster, gate, objserver, tls
-from fiber_dask import security as fiber_security
+from fiber_dask import cluster
+from fiber_dask.comm import channel, gate, objserver, tls
+from fiber_dask.comm import security as fiber_security
 from fiber_dask.errors import TLSConnectionError
 
 pytestmark = pytest.mark.timeout(90)
@@ -530,7 +531,7 @@ def test_manager_speaks_tls_in_its_owners_mode(pinned, security, use_tls):
 
 
 def _square_and_mode(x):
-    from fiber_dask import security as fiber_security
+    from fiber_dask.comm import security as fiber_security
 
     security, role, source = fiber_security.mode()
     return x * x, security is not None, source
@@ -539,7 +540,7 @@ def _square_and_mode(x):
 def _exit_with_mode():
     import sys
 
-    from fiber_dask import security
+    from fiber_dask.comm import security
 
     sys.exit(7 if security.mode()[0] is not None else 3)
 

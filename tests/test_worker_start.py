@@ -29,7 +29,7 @@ PROBE = textwrap.dedent(
 
     def info(dask_worker=None):
         import numpy as np
-        import fiber_dask.slots as slots
+        import fiber_dask.engine.slots as slots
         return {{
             "pid": os.getpid(),
             "ppid": os.getppid(),

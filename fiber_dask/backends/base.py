@@ -112,7 +112,7 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
     """
     from .. import config
     from ..errors import ClusterConnectionError
-    from ..interrupts import deferred
+    from ..transparency.interrupts import deferred
 
     with deferred():  # a first import of distributed is made whole
         from distributed import Client

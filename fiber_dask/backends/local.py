@@ -30,7 +30,7 @@ _TIMERS = (
     # second took ~25 % of a core (issue 15).
     ("distributed.admin.system-monitor.interval", "500ms", "2s"),
     # Each worker's sampling profiler fires on its event loop even with no
-    # task to sample (pool slots keep out of it: fiber_dask.slottask): 8 idle
+    # task to sample (pool slots keep out of it: fiber_dask.engine.slottask): 8 idle
     # workers took 0.21 of a core at 10 ms, 0.04-0.06 at 100 ms (0.05 with
     # the profiler off; issue 15).  The dashboard's profile page still works,
     # at a tenth of the samples.
@@ -71,7 +71,7 @@ class LocalBackend(Backend):
             raise
 
     def _start(self, fork_server: Any) -> ClusterHandle:
-        from ..interrupts import deferred
+        from ..transparency.interrupts import deferred
 
         with deferred():  # a first import of distributed is made whole
             from distributed import Client, LocalCluster
@@ -89,13 +89,13 @@ class LocalBackend(Backend):
         early = contextlib.nullcontext()
         if config.get("pool.slots") == "process":
             # Each worker starts its pool-slot template process as it starts
-            # (fiber_dask.slots.dask_setup), while the cluster comes up, so the
+            # (fiber_dask.engine.slots.dask_setup), while the cluster comes up, so the
             # first Pool slot does not wait ~0.5 s for an interpreter.
             preload = list(dask.config.get("distributed.worker.preload") or [])
-            extra["preload"] = [*preload, "fiber_dask.slots"]
+            extra["preload"] = [*preload, "fiber_dask.engine.slots"]
             # Earlier still where the workers import fiber_dask with the main
-            # module (fiber_dask.slots.early_templates).
-            from ..slots import early_templates
+            # module (fiber_dask.engine.slots.early_templates).
+            from ..engine.slots import early_templates
 
             early = early_templates()
         # The scheduler reports the pools on its dashboard (fiber_dask.dashboard).

@@ -28,7 +28,7 @@ instead of ~0.8 s of imports.  What a child gets is what a spawned one gets:
   environment, which is the owner's plus Dask's ``distributed.nanny.pre-spawn-
   environ``, exactly what a nanny would have spawned with;
 * the pool-slot template forked first thing, while the child is single-threaded
-  (:func:`fiber_dask.slots.start_early`), as a spawned worker does after its
+  (:func:`fiber_dask.engine.slots.start_early`), as a spawned worker does after its
   imports.
 
 Only the embedded cluster's nannies use it (:class:`Nanny` marks its own
@@ -39,7 +39,7 @@ method`` is set to something other than ``spawn``, nor with
 a worker is spawned instead, and a later start tries a fresh server.
 
 However it starts, an embedded worker process is a :class:`_Process`, which
-ignores SIGINT (:mod:`fiber_dask.interrupts`): a terminal's Ctrl-C and Jupyter's "interrupt kernel" signal
+ignores SIGINT (:mod:`fiber_dask.transparency.interrupts`): a terminal's Ctrl-C and Jupyter's "interrupt kernel" signal
 the whole process group, and are meant for the program and its tasks (slot
 processes and ``Process`` children take them, as the stdlib's pool workers and
 children do), not for the cluster under them.  A Dask worker that took one
@@ -74,7 +74,7 @@ from multiprocessing import (
 )
 from typing import Any
 
-from .. import interrupts
+from ..transparency import interrupts
 
 __all__ = ["WorkerForkServer", "nanny_class", "start", "PRELOAD"]
 
@@ -84,9 +84,9 @@ logger = logging.getLogger(__name__)
 #: Dask worker process started by a nanny imports before it registers.
 PRELOAD = [
     "fiber_dask",
-    "fiber_dask.slots",
-    "fiber_dask.slottask",
-    "fiber_dask.slotserver",  # and what a slot process imports
+    "fiber_dask.engine.slots",
+    "fiber_dask.engine.slottask",
+    "fiber_dask.engine.slotserver",  # and what a slot process imports
     "fiber_dask.swap",
     "faulthandler",
     "multiprocessing.synchronize",
@@ -350,7 +350,7 @@ class _Process(context.ForkServerProcess):
         return state
 
     def run(self) -> None:
-        # Ctrl-C is not for the cluster (fiber_dask.interrupts); with SIGINT
+        # Ctrl-C is not for the cluster (fiber_dask.transparency.interrupts); with SIGINT
         # ignored, asyncio.run installs no handler of its own either.
         interrupts.cluster_process()
         if self._environ is not None:
@@ -367,7 +367,8 @@ class _Process(context.ForkServerProcess):
                 np_random.seed()
             except Exception:  # noqa: BLE001 - a numpy without it
                 pass
-        from .. import config, slots
+        from .. import config
+        from ..engine import slots
 
         if config.get("pool.slots") == "process":
             # Single-threaded still: fork the pool-slot template now, also in

@@ -163,7 +163,7 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
 
 def _pool_document(client: Any) -> dict[str, Any] | None:
     """The scheduler's pool document, or None without its plugin."""
-    from fiber_dask import poolstats
+    from fiber_dask.engine import poolstats
 
     try:
         return poolstats.fetch(client)

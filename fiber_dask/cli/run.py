@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from .. import mainguard
+from ..launch import mainguard
 from ._common import (
     CONTEXT_SETTINGS,
     CLIError,

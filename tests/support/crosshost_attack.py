@@ -114,7 +114,7 @@ def attack(addr: tuple, markers: str) -> dict:
         out["oversized"] = drain(s, 15)
 
     # TLS without a certificate of the cluster's CA, then a pickle.
-    from fiber_dask import tls
+    from fiber_dask.comm import tls
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
@@ -131,7 +131,7 @@ def attack(addr: tuple, markers: str) -> dict:
 
     # The real clients with the wrong authkey: fiber-dask's channel (the
     # hello it would send after authenticating is the pickle) and the stdlib's.
-    from fiber_dask import channel
+    from fiber_dask.comm import channel
 
     for service in ("objects", "pool-x", "process-x"):
         try:

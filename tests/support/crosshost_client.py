@@ -243,7 +243,7 @@ def scenario_basic(params: dict) -> dict:
     different hosts."""
     mp = multiprocessing
     from fiber_dask import cluster
-    from fiber_dask.objserver import get_object_server
+    from fiber_dask.comm.objserver import get_object_server
 
     hosts = params["workers"]  # worker host name -> its address
     out: dict = {"client": host_ip()}
@@ -397,7 +397,7 @@ def scenario_serve(params: dict) -> dict:
     hosts; report them; wait while the test inspects and attacks them; then
     check they all still work."""
     mp = multiprocessing
-    from fiber_dask.objserver import get_object_server
+    from fiber_dask.comm.objserver import get_object_server
 
     names = sorted(params["workers"])
     q = mp.Queue()

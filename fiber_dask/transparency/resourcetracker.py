@@ -34,7 +34,7 @@ process's tracker**, as a stdlib child shares its parent's.
 How the pipe gets there: a child started as a fresh interpreter gets it with
 ``pass_fds`` and :data:`ENV` naming its number (:func:`for_child`, then
 :func:`adopt` in the child, as the stdlib's ``spawn_main`` does); a process
-forked from the worker (the slot template, :func:`fiber_dask.slots.start_early`)
+forked from the worker (the slot template, :func:`fiber_dask.engine.slots.start_early`)
 keeps the descriptor :func:`share` returned open across the descriptors it
 closes, and slot processes, forked from the template, inherit it.
 

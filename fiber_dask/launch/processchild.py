@@ -1,6 +1,6 @@
 """The child bootstrap of a fiber-dask ``Process``: ``python -c`` :data:`BOOT`.
 
-Started by the launcher (``fiber_dask.launcher.run_launcher``) inside a Dask
+Started by the launcher (``fiber_dask.launch.launcher.run_launcher``) inside a Dask
 worker.  Protocol on stdin: an 8-byte big-endian length, then a pickled
 ``(authkey, blob)`` whose blob is the cloudpickled ``(Process subclass, state)``
 (a bare ``(Process subclass, state)`` is accepted too); after that stdin stays
@@ -31,10 +31,10 @@ _PR_SET_PDEATHSIG = 1
 PARENT_LOST = b"P"
 
 #: The launcher runs ``python -c BOOT``, not ``python -m
-#: fiber_dask.processchild``: importing the package imports this module too
+#: fiber_dask.launch.processchild``: importing the package imports this module too
 #: (through the launcher), and runpy then warns on the child's stderr, where
 #: the stdlib's child prints nothing.
-BOOT = "import sys; from fiber_dask.processchild import main; sys.exit(main())"
+BOOT = "import sys; from fiber_dask.launch.processchild import main; sys.exit(main())"
 
 
 def _die_with_parent() -> None:
@@ -122,7 +122,7 @@ def main() -> int:
     from fiber_dask import swap
 
     extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
-    from fiber_dask import resourcetracker
+    from fiber_dask.transparency import resourcetracker
 
     resourcetracker.adopt()  # the launcher's worker's, as spawn_main does
     # Under `fiber-dask run --swap-multiprocessing` the user's modules imported by
@@ -151,7 +151,7 @@ def main() -> int:
         from multiprocessing import util
 
         util.get_logger().setLevel(log_level)
-    from fiber_dask.mainglobals import child_main
+    from fiber_dask.launch.mainglobals import child_main
 
     child_main(cls, state, state.pop("_fiber_main_path", None))
     proc = cls.__new__(cls)
@@ -160,7 +160,7 @@ def main() -> int:
     proc.__dict__.update(state)
     proc._config = config
     proc._popen = None
-    from fiber_dask import interrupts
+    from fiber_dask.transparency import interrupts
 
     # As a stdlib child (its worker process may ignore SIGINT).
     interrupts.program_process()

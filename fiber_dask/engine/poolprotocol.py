@@ -6,7 +6,7 @@ cannot disagree about a message's shape or about which functions a loop holds
 place that encodes them).
 
 A connection between the owner and a worker process is a *link*
-(:mod:`fiber_dask.poollink`): it carries the messages of every loop of that
+(:mod:`fiber_dask.engine.poollink`): it carries the messages of every loop of that
 pool in that process (a hundred thread slots, or the one loop of a slot
 process).  Each frame on a link is :func:`encode_frame` of a list of
 ``(loop, message)`` pairs, ``loop`` being the loop's number in its pool; the
@@ -72,7 +72,7 @@ import traceback
 from multiprocessing.pool import RemoteTraceback
 from typing import Any, Callable
 
-from .errors import RemoteTaskError
+from ..errors import RemoteTaskError
 
 __all__ = [
     "Call",

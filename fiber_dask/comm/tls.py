@@ -8,7 +8,7 @@ and Manager -- is TLS too: mutually authenticated by the cluster's CA, with the
 authkey HMAC handshake still run on top.  Without TLS nothing changes: plain
 ``multiprocessing.connection.Connection`` objects, the fast paths as they were.
 Which mode and certificate a process uses is decided in
-:mod:`fiber_dask.security`; this module holds the connection.
+:mod:`fiber_dask.comm.security`; this module holds the connection.
 
 On the wire, a TLS endpoint first sends one length-prefixed frame in clear,
 :data:`HELLO`, then runs the TLS handshake.  A plaintext client reads it where
@@ -38,8 +38,8 @@ from multiprocessing import AuthenticationError, BufferTooShort
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from ..errors import TLSConnectionError
 from . import security
-from .errors import TLSConnectionError
 
 # Nothing here imports ``ssl`` or ``distributed`` until TLS is in use: a
 # process without TLS (a Process child, say) pays nothing for this module.
@@ -212,7 +212,7 @@ class TLSConnection:
         left: int = 0,
     ) -> TLSConnection:
         """A connection whose TLS handshake was run elsewhere (by
-        :mod:`fiber_dask.gate`) on ``sslobj`` over these memory buffers;
+        :mod:`fiber_dask.comm.gate`) on ``sslobj`` over these memory buffers;
         ``head``/``left``: the part of a record header read so far and the
         bytes of the current record still on the socket."""
         conn = cls.__new__(cls)

@@ -1,21 +1,21 @@
 """The pool-worker loop: the code that runs Pool chunks, next to a Dask worker.
 
 Dask places one loop per pool slot (the long-running task
-:func:`fiber_dask.slottask.run_pool_worker`) and re-runs a loop whose worker died.  The loop
-joins its process's link to the pool's owner (:mod:`fiber_dask.poollink`: one
+:func:`fiber_dask.engine.slottask.run_pool_worker`) and re-runs a loop whose worker died.  The loop
+joins its process's link to the pool's owner (:mod:`fiber_dask.engine.poollink`: one
 authenticated connection per process and pool, shared by its thread slots)
 and then only moves bytes: no scheduler round trip per task.  The messages are
-those of :mod:`fiber_dask.poolprotocol`, which both ends share.
+those of :mod:`fiber_dask.engine.poolprotocol`, which both ends share.
 
 With ``fiber.pool.slots: process`` (the default) the Dask task is only the
 slot's *keeper*: it hands the loop (:func:`serve_slot`)
-to a slot process of its own and waits for it (see :mod:`fiber_dask.slots`);
+to a slot process of its own and waits for it (see :mod:`fiber_dask.engine.slots`);
 with ``thread`` the Dask task thread runs :func:`serve_slot` itself.
 
-:func:`serve_slot` joins the link (:func:`fiber_dask.poollink.attach`), runs
+:func:`serve_slot` joins the link (:func:`fiber_dask.engine.poollink.attach`), runs
 the initializer and serves chunks until STOP, TERMINATE, the owner's loss or
 ``maxtasksperchild``, then leaves the link saying why it ended (a
-:class:`~fiber_dask.poolprotocol.Reason`, also its return value).  It does
+:class:`~fiber_dask.engine.poolprotocol.Reason`, also its return value).  It does
 not assume it runs inside a Dask worker.
 
 The link's receiver thread drains the socket into each loop's inbox at all
@@ -35,9 +35,9 @@ import time
 from multiprocessing.pool import MaybeEncodingError
 from typing import Any
 
+from ..launch.mainglobals import MainNamespace
 from . import poollink
 from . import poolprotocol as proto
-from .mainglobals import MainNamespace
 
 __all__ = ["serve_slot", "serve"]
 
@@ -199,7 +199,7 @@ def serve(
 ) -> str:
     """Run the initializer, then serve ``loop``'s chunks until told to end.
 
-    Returns why it ended (:class:`~fiber_dask.poolprotocol.Reason`).
+    Returns why it ended (:class:`~fiber_dask.engine.poolprotocol.Reason`).
     """
     import cloudpickle  # noqa: F401  (unpickling cloudpickled functions needs it)
 

@@ -6,7 +6,7 @@ futures of the loops, and the result thread — the one thread that reads every
 loop's connection, settles results, replaces loops that ended and re-runs what
 a lost worker held (loky's executor manager thread is the model).
 ``pool.Pool`` holds one and adds the stdlib API on top; see ``pool`` for the
-picture of how a call travels.  Messages are :mod:`fiber_dask.poolprotocol`'s.
+picture of how a call travels.  Messages are :mod:`fiber_dask.engine.poolprotocol`'s.
 
 Its public surface: :meth:`start`, :meth:`submit`, :meth:`close`,
 :meth:`terminate`, :meth:`join`, :meth:`abandon`, :meth:`slots`, ``state``,
@@ -24,7 +24,7 @@ chunks the refill carries per message.
 Worker loss: a loop runs its chunks in the order they were sent and answers
 a ``Calls`` before it starts the next, so when its connection drops the
 unanswered chunks of the oldest ``Calls`` it held are the ones that may have
-run (:func:`fiber_dask.poolprotocol.lost_chunks`; only the first, when it
+run (:func:`fiber_dask.engine.poolprotocol.lost_chunks`; only the first, when it
 came first in its ``Calls``, which a loop answers on its own); the others
 never started and go back as they were.  If only one may have run, it was running: if it
 had several items it is re-run item by item without counting a failure (we
@@ -55,9 +55,11 @@ from typing import Any
 
 import cloudpickle
 
-from . import channel, cluster, config, poolstats, security
+from .. import cluster, config
+from ..comm import channel, security
+from ..errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
 from . import poolprotocol as proto
-from .errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from . import poolstats
 from .poolelastic import Elastic
 from .poolresults import MapResult, measured_chunksize
 from .poolwait import Waiting
@@ -149,7 +151,7 @@ class _Split:
 
 class _Link:
     """One connection from a worker process, carrying the messages of its
-    loops of this pool (:mod:`fiber_dask.poollink` is the other end)."""
+    loops of this pool (:mod:`fiber_dask.engine.poollink` is the other end)."""
 
     __slots__ = ("conn", "reader", "peers", "hello", "broken")
 
@@ -175,7 +177,7 @@ class _Link:
 
 class _Outgoing:
     """What a dispatch pass sends: each loop's ``Calls`` being filled (lists
-    of ``(Call, chunk)`` pairs), and each link's :class:`~fiber_dask.poolprotocol.Shared`
+    of ``(Call, chunk)`` pairs), and each link's :class:`~fiber_dask.engine.poolprotocol.Shared`
     arrays."""
 
     __slots__ = ("calls", "shared")
@@ -395,7 +397,7 @@ class PoolEngine:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._loop_numbers = itertools.count()
-        #: Counts for the dashboard (fiber_dask.poolstats), kept under _lock.
+        #: Counts for the dashboard (fiber_dask.engine.poolstats), kept under _lock.
         self._stats = poolstats.PoolCounters(self._position)
 
     # ------------------------------------------------------------ public API
@@ -456,7 +458,7 @@ class PoolEngine:
 
     def measured_chunksize(self, func: Any, left: int, total: int | None = None) -> int:
         """Items in the next chunk of a map of ``func`` sized by measurement
-        (:func:`fiber_dask.poolresults.measured_chunksize`; call under the
+        (:func:`fiber_dask.engine.poolresults.measured_chunksize`; call under the
         lock, as the dispatcher does)."""
         entry = self._fids.get(id(func))
         per_item = entry[3] if entry is not None and entry[0] is func else None
@@ -1112,9 +1114,9 @@ class PoolEngine:
             # Thread slots: on a cluster we started, a task that ignores
             # terminate() for _TERMINATE_GRACE ends its worker process (the
             # nanny starts another).  Slot processes end only themselves
-            # (fiber_dask.slots.TERMINATE_GRACE), on any cluster.
+            # (fiber_dask.engine.slots.TERMINATE_GRACE), on any cluster.
             [_TERMINATE_GRACE if self._handle.owned else None] * k,
-            [self._slot_kind] * k,  # process | thread (fiber_dask.slots)
+            [self._slot_kind] * k,  # process | thread (fiber_dask.engine.slots)
             # Keyed so the scheduler can tell whose slots these are (poolstats).
             key=[poolstats.loop_key(self._token, n) for n in numbers],
             pure=False,

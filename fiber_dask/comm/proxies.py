@@ -17,7 +17,7 @@ changes is how a proxy reaches its manager, which this module supplies:
   which manager is gone.  It subclasses both ``ConnectionError`` and
   ``EOFError``: the stdlib raises one or the other depending on the moment.
 * **TLS when the cluster uses it**: the manager's server and its clients
-  speak TLS with the cluster's certificates (see :mod:`fiber_dask.tls`); the
+  speak TLS with the cluster's certificates (see :mod:`fiber_dask.comm.tls`); the
   server process gets its owner's mode, and the stdlib's authkey handshake
   runs inside TLS.
 * **AsyncManager** proxies (from Fiber) return an :class:`AsyncProxyResult`
@@ -40,9 +40,9 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from multiprocessing import connection, managers
 from typing import Any
 
+from ..errors import ManagerConnectionError
 from . import security, tls
 from .channel import HANDSHAKE_TIMEOUT, dial, tune
-from .errors import ManagerConnectionError
 
 __all__ = [
     "AsyncAutoProxy",
@@ -78,7 +78,7 @@ def fiber_serializer(serializer: str) -> str:
 
 
 def _connect_timeout() -> float:
-    from . import config
+    from .. import config
 
     return config.timedelta("connect-timeout")
 

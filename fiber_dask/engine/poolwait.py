@@ -1,10 +1,10 @@
 """Why a pool waits: who holds the task slots its loops wait for.
 
-A pool's slots are long Dask tasks (its loops, :mod:`fiber_dask.slottask`).
+A pool's slots are long Dask tasks (its loops, :mod:`fiber_dask.engine.slottask`).
 On a cluster programs share (``fiber-dask up``, an address), another
 program's open pool holds its slots for as long as it lives, idle or not,
 unless ``fiber.pool.idle-timeout`` gives idle ones back
-(:mod:`fiber_dask.poolelastic`); a new pool's loops then wait behind it and
+(:mod:`fiber_dask.engine.poolelastic`); a new pool's loops then wait behind it and
 its ``map`` does not start.  Dask cannot say why: to the scheduler each of
 those slots is one running task.
 
@@ -109,7 +109,7 @@ def diagnose(
     ----------
     view : dict
         ``workers`` (and ``states`` of the pool's waiting loops) as
-        :meth:`fiber_dask.poolstats.PoolStore.slots` gives them.
+        :meth:`fiber_dask.engine.poolstats.PoolStore.slots` gives them.
     pool_id : str
         The waiting pool's id (its loops' keys are ``loop_key(pool_id, n)``).
     resources : dict, optional

@@ -23,14 +23,14 @@ the server proves itself and answers the hello in one), so neither a stranger
 nor an impostor server can feed us pickles.  The authkey itself travels to the
 workers inside the Dask task, i.e. over Dask's comm (encrypted when Dask's TLS
 is configured).  When the cluster uses TLS, so do these connections (see
-:mod:`fiber_dask.tls`): the server sends a clear-text hello, both ends run a
+:mod:`fiber_dask.comm.tls`): the server sends a clear-text hello, both ends run a
 TLS handshake with the cluster's certificates, and the HMAC handshake and all
 frames then go inside TLS.  A server's mode is fixed when it starts, a
 client's when it connects; a mismatch fails at once with
 :class:`~fiber_dask.errors.TLSConnectionError`.
 
 Accepting and the server's side of the handshake are
-:mod:`fiber_dask.gate`'s (one thread for every listener, a deadline on the
+:mod:`fiber_dask.comm.gate`'s (one thread for every listener, a deadline on the
 whole handshake, a bound on stalled peers per address); the server's protocol
 is :meth:`ChannelServer._serve_handshake`, the client's :func:`connect`.
 
@@ -52,7 +52,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from . import cluster, gate, security, tls
+from .. import cluster
+from . import gate, security, tls
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ _CHALLENGE = b"#FIBER-CHALLENGE#"
 _WELCOME = b"#FIBER-WELCOME#"
 _FAILURE = b"#FIBER-FAILURE#"
 #: Seconds a client waits for each step of its handshake; a server's whole
-#: handshake is bounded by :data:`fiber_dask.gate.HANDSHAKE_TIMEOUT`.
+#: handshake is bounded by :data:`fiber_dask.comm.gate.HANDSHAKE_TIMEOUT`.
 HANDSHAKE_TIMEOUT = gate.HANDSHAKE_TIMEOUT
 _HELLO_MAX = 1 << 20  # an authenticated peer's hello: small plain data
 
@@ -170,7 +171,7 @@ def _client_handshake(
 
 def peer_timeout() -> float:
     """``fiber.peer-timeout`` in seconds: how long a peer host may stay silent."""
-    from . import config
+    from .. import config
 
     try:
         return max(1.0, config.timedelta("peer-timeout"))
@@ -202,7 +203,7 @@ def tune(sock: socket.socket) -> None:
 class ChannelServer:
     """Listen for authenticated connections and hand them to named services.
 
-    Accepting and authenticating is :mod:`fiber_dask.gate`'s: a peer that
+    Accepting and authenticating is :mod:`fiber_dask.comm.gate`'s: a peer that
     does not complete the handshake in time, or stalls among too many from
     its address, is dropped there without holding a thread or the accepts.
 
@@ -213,7 +214,7 @@ class ChannelServer:
     authkey : bytes
         Shared secret the peers must prove they know.
     context : ssl.SSLContext, optional
-        Serve TLS with this context (see :mod:`fiber_dask.tls`); None: plain.
+        Serve TLS with this context (see :mod:`fiber_dask.comm.tls`); None: plain.
     """
 
     def __init__(self, host: str, authkey: bytes, context: Any = None) -> None:
@@ -247,7 +248,7 @@ class ChannelServer:
 
         ``inline``: ``handler`` only hands the connection on and never blocks;
         it runs on the gate's thread instead of a thread of its own (see
-        :meth:`fiber_dask.gate.Gate.listen`)."""
+        :meth:`fiber_dask.comm.gate.Gate.listen`)."""
         with self._lock:
             self._services[service] = (handler, inline)
 
@@ -309,7 +310,7 @@ def dial(
     """A tuned client connection to ``host:port``, ready for an authkey
     handshake: TLS when this process's cluster uses it (the server's hello
     read and the TLS handshake done; ``where`` names the server in errors,
-    see :func:`fiber_dask.tls.connect`), else a plain ``Connection``.  A
+    see :func:`fiber_dask.comm.tls.connect`), else a plain ``Connection``.  A
     failed TCP connect raises ``unreachable(e)`` from ``e``."""
     context = security.client_context()
     try:
@@ -390,7 +391,7 @@ _server_lock = threading.Lock()
 def get_server(host: str, authkey: bytes, client: Any = None) -> ChannelServer:
     """This process's channel server on ``host``, started on first use; TLS
     if this process's cluster (or ``client``'s, for an object made for that
-    client's cluster) uses TLS (see :mod:`fiber_dask.tls`)."""
+    client's cluster) uses TLS (see :mod:`fiber_dask.comm.tls`)."""
     context = security.server_context(client)
     key = (host, authkey, id(context) if context is not None else None)
     with _server_lock:
@@ -455,7 +456,7 @@ class FrameReader:
     ``Connection.send_bytes`` (4-byte big-endian length, or -1 and an 8-byte
     length for frames of 2 GiB and more).
 
-    A TLS connection (:class:`fiber_dask.tls.TLSConnection`) is read frame by
+    A TLS connection (:class:`fiber_dask.comm.tls.TLSConnection`) is read frame by
     frame with its own ``recv_bytes``, as long as it holds decrypted data.
     """
 

@@ -1,8 +1,8 @@
-"""The slot template process: ``python -m fiber_dask.slotserver REPORT_FD``.
+"""The slot template process: ``python -m fiber_dask.engine.slotserver REPORT_FD``.
 
-Started by :class:`fiber_dask.slots.Template` in a Dask worker, as a fresh
+Started by :class:`fiber_dask.engine.slots.Template` in a Dask worker, as a fresh
 interpreter or forked from the worker while it is still single-threaded (the
-why, the picture and the pipe protocol are in :mod:`fiber_dask.slots`).  It preloads
+why, the picture and the pipe protocol are in :mod:`fiber_dask.engine.slots`).  It preloads
 what every slot process needs (cloudpickle, fiber_dask's pool-worker code,
 numpy if it is installed), then, single-threaded, starts one slot process per
 ``("fork", id, spec)`` read from stdin (handing the spec to the spare it keeps
@@ -48,9 +48,9 @@ def _preload() -> None:
     # instead of in every slot process.
     import cloudpickle  # noqa: F401
 
-    import fiber_dask.poolworker  # noqa: F401
+    import fiber_dask.engine.poolworker  # noqa: F401
+    import fiber_dask.launch.processchild  # noqa: F401
     import fiber_dask.process  # noqa: F401
-    import fiber_dask.processchild  # noqa: F401
     import fiber_dask.swap  # noqa: F401
 
     # The first getaddrinfo() on a str host imports the idna codec and compiles
@@ -83,7 +83,7 @@ class _Server:
     """The template's state: its slot processes, its spare, its pipes."""
 
     def __init__(self, request_fd: int, report_fd: int, sig_r: int, sig_w: int):
-        from fiber_dask.slotpipe import write_frame
+        from fiber_dask.engine.slotpipe import write_frame
 
         self.write_frame = write_frame
         self.report_fd = report_fd
@@ -222,9 +222,9 @@ class _Server:
 
 
 def main() -> int:
-    """``python -m fiber_dask.slotserver REPORT_FD``: requests on stdin."""
+    """``python -m fiber_dask.engine.slotserver REPORT_FD``: requests on stdin."""
     expected = os.environ.pop("FIBER_DASK_LAUNCHER_PID", None)
-    from fiber_dask import resourcetracker
+    from fiber_dask.transparency import resourcetracker
 
     resourcetracker.adopt()  # the Dask worker's, which slot processes inherit
     return serve(os.dup(0), int(sys.argv[1]), int(expected) if expected else None)
@@ -234,10 +234,10 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     """Be the template: requests on ``request_fd``, reports on ``report_fd``.
 
     Run by :func:`main` in a fresh interpreter, or in a child forked from the
-    single-threaded Dask worker process (:func:`fiber_dask.slots.start_early`).
+    single-threaded Dask worker process (:func:`fiber_dask.engine.slots.start_early`).
     """
     _die_with_parent(expected_ppid)
-    from fiber_dask import interrupts
+    from fiber_dask.transparency import interrupts
 
     interrupts.cluster_process()  # the slot processes take it once they serve
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -245,7 +245,7 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     os.close(devnull)
     _preload()
 
-    from fiber_dask.slotpipe import FrameReader
+    from fiber_dask.engine.slotpipe import FrameReader
 
     # SIGCHLD wakes the select through the wakeup fd, as in the stdlib's
     # forkserver: the template never blocks in waitpid.
@@ -357,7 +357,7 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
     os.close(spec_r)
     if not blob:
         return 0
-    from fiber_dask import interrupts
+    from fiber_dask.transparency import interrupts
 
     interrupts.program_process()
     spec = pickle.loads(blob)
@@ -366,7 +366,7 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
     _load_environment()
     _become_pool_worker(spec.slot, spec.authkey)
 
-    from fiber_dask.poolworker import serve_slot
+    from fiber_dask.engine.poolworker import serve_slot
 
     reason = None
     try:
@@ -437,7 +437,8 @@ def _print_interrupted(exc: KeyboardInterrupt) -> None:
 
 def _load_environment() -> None:
     """Apply the environment the keeper sent: import path, Dask config, swap."""
-    from fiber_dask import processchild, swap
+    from fiber_dask import swap
+    from fiber_dask.launch import processchild
 
     processchild.extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
     if "dask" in sys.modules:

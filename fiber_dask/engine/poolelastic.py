@@ -1,6 +1,6 @@
 """Elastic pools: the policy that gives idle pool slots back and asks for them again.
 
-A pool slot is a long-running Dask task (a *loop*, see :mod:`fiber_dask.poolworker`)
+A pool slot is a long-running Dask task (a *loop*, see :mod:`fiber_dask.engine.poolworker`)
 that holds a worker's task slot for as long as the pool lives.  Dask's adaptive
 scaling never retires a worker that runs a task (``Scheduler.workers_to_close``
 keeps every worker with something processing, and ``adaptive_target`` counts
@@ -61,7 +61,7 @@ import logging
 import time
 from typing import Any
 
-from . import config
+from .. import config
 from .poolprotocol import STOP
 from .poolresults import IMapIterator, MapResult
 
@@ -102,7 +102,7 @@ def idle_timeout(handle: Any = None) -> float | None:
 
 
 class Elastic:
-    """The give-back / re-request policy of one :class:`~fiber_dask.poolengine.PoolEngine`.
+    """The give-back / re-request policy of one :class:`~fiber_dask.engine.poolengine.PoolEngine`.
 
     Parameters
     ----------

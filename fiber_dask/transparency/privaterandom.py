@@ -41,9 +41,9 @@ What this module does
 behalf in a process the program's code shares: before a cluster is resolved
 or attached (:mod:`fiber_dask.cluster`: every backend, an existing client),
 and in a Dask worker whose task thread runs a thread slot's tasks
-(:mod:`fiber_dask.slottask`).  Slot processes reseed both global generators
+(:mod:`fiber_dask.engine.slottask`).  Slot processes reseed both global generators
 when they start, as a fresh stdlib worker starts with its own state
-(:mod:`fiber_dask.slotserver`); nothing draws there between tasks.
+(:mod:`fiber_dask.engine.slotserver`); nothing draws there between tasks.
 
 The modules, and why each (distributed and dask 2026.8)
 -------------------------------------------------------
@@ -164,7 +164,7 @@ def _private_namespace() -> types.ModuleType:
     (taken from :data:`rng` by name, so a program that wrapped ``random.random``
     before fiber-dask was imported does not see Dask's draws either)."""
     ns = types.ModuleType(
-        "random", "random's functions on fiber_dask.privaterandom.rng"
+        "random", "random's functions on fiber_dask.transparency.privaterandom.rng"
     )
     for name, value in vars(random).items():
         if name.startswith("__"):

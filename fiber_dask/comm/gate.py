@@ -42,7 +42,7 @@ an ``int`` to receive exactly that many bytes of the (decrypted) stream, or
 returns its result, or raises to reject the peer.  :func:`recv_frame` and
 :func:`frame` do the ``multiprocessing.connection`` framing.  TLS (when a
 listener has a context) is run by the gate around it: the clear-text
-:data:`fiber_dask.tls.HELLO` frame, the TLS handshake, then the generator
+:data:`fiber_dask.comm.tls.HELLO` frame, the TLS handshake, then the generator
 inside TLS.  The gate reads exactly what the handshake asks for (and TLS one
 record at a time), never past it, so the connection handed on holds no bytes
 of the peer's next message in a buffer of the gate's.
@@ -278,7 +278,7 @@ class Gate:
         """Accept connections on the listening ``sock``: each runs
         ``handshake()`` (inside TLS with ``context``), then
         ``on_ready(connection, result)`` in a new thread, the connection a
-        blocking ``Connection`` or :class:`~fiber_dask.tls.TLSConnection`.
+        blocking ``Connection`` or :class:`~fiber_dask.comm.tls.TLSConnection`.
         ``tune(sock)`` sets the options of each accepted TCP socket.
 
         ``inline(result)`` true: ``on_ready`` is quick and never blocks (it

@@ -90,7 +90,7 @@ keeper → template: ``("fork", id, spec)`` where ``spec`` is the pickled
 
 template → keeper: ``("started", id, pid)``, ``("exit", id, code, reason)``
 with ``code`` as :attr:`subprocess.Popen.returncode` (``-N`` for signal N) and
-``reason`` the string :func:`fiber_dask.poolworker.serve_slot` returned, or
+``reason`` the string :func:`fiber_dask.engine.poolworker.serve_slot` returned, or
 None when the slot process died before returning one; ``("failed", id, error)``
 when the fork itself failed; ``("restarted", id, pid)`` when the slot process
 of ``id`` returned ``"recycled"`` (``maxtasksperchild``) and the template
@@ -111,7 +111,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import resourcetracker
+from ..transparency import resourcetracker
 from .slotpipe import FrameReader, write_frame
 
 __all__ = [
@@ -173,7 +173,7 @@ class Template:
 
     ``fork_here``: fork the template from this process, now, if it is
     single-threaded (:func:`start_early`); else, and by default, start it as a
-    fresh interpreter (``python -m fiber_dask.slotserver``).
+    fresh interpreter (``python -m fiber_dask.engine.slotserver``).
     """
 
     def __init__(self, fork_here: bool = False) -> None:
@@ -257,7 +257,12 @@ class Template:
             tracker_fds = resourcetracker.for_child(env)
             try:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "fiber_dask.slotserver", str(report_w)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "fiber_dask.engine.slotserver",
+                        str(report_w),
+                    ],
                     stdin=subprocess.PIPE,
                     pass_fds=(report_w, *tracker_fds),
                     env=env,
@@ -374,7 +379,7 @@ def _forked_template(
     """In the child of :meth:`Template._fork`: become the template process.
 
     It keeps only its two pipes, the standard streams and the worker's
-    resource-tracker pipe ``tracker_fd`` (:mod:`fiber_dask.resourcetracker`),
+    resource-tracker pipe ``tracker_fd`` (:mod:`fiber_dask.transparency.resourcetracker`),
     as the fresh interpreter's ``close_fds`` and ``pass_fds`` do: an inherited
     descriptor, such as the spawn pipe whose end tells a Nanny its worker
     exited, must not outlive the worker.  It drops the worker's half-imported
@@ -498,7 +503,7 @@ async def warm_up(dask_worker: Any = None) -> None:
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask worker preload hook (``--preload fiber_dask.slots``, as the embedded
+    """Dask worker preload hook (``--preload fiber_dask.engine.slots``, as the embedded
     cluster does): start the template as the worker starts, in parallel with
     its registration, and turn the worker's sampling profiler off.
 
@@ -533,13 +538,13 @@ def keep(
 ) -> str:
     """Body of a pool-slot Dask task in process mode: keep one slot process running.
 
-    Returns why the slot ended, as :func:`fiber_dask.poolworker.serve_slot`
+    Returns why the slot ended, as :func:`fiber_dask.engine.poolworker.serve_slot`
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
     ``"slot process died: ..."`` when it crashed.  A slot process retired by
     ``maxtasksperchild`` (``"recycled"``) is replaced without a new Dask task:
     by the template at once (``"restarted"``), or here when that failed.
     """
-    from .launcher import child_env
+    from ..launch.launcher import child_env
 
     worker_address = getattr(worker, "address", None)
     try:

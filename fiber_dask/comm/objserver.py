@@ -217,7 +217,7 @@ def get_object_server() -> ObjectServer:
     global _object_server
     with _object_server_lock:
         if _object_server is None or _object_server.server._closed:
-            from . import cluster
+            from .. import cluster
 
             _object_server = ObjectServer(cluster.listen_host(), security.authkey())
         return _object_server

@@ -45,7 +45,7 @@ threads sharing its GIL).  Now a process has one :class:`Link` per pool::
   its receiver cannot, the dial fails, as an unreachable owner does.
 
 A slot process (``fiber.pool.slots: process``) has one loop, so its link
-carries one; the messages are the same (:mod:`fiber_dask.poolprotocol`).
+carries one; the messages are the same (:mod:`fiber_dask.engine.poolprotocol`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import channel, privaterandom
+from ..comm import channel
+from ..transparency import privaterandom
 from . import poolprotocol as proto
 
 __all__ = ["Link", "attach", "connect_to_owner"]
@@ -83,7 +84,7 @@ def connect_to_owner(
     worker: str | None = None,
 ) -> Any:
     """Connect to the pool's owner: a channel ``Connection``, or the
-    :class:`~fiber_dask.poolprotocol.Reason` text why not (a string).
+    :class:`~fiber_dask.engine.poolprotocol.Reason` text why not (a string).
 
     A handshake cut by the owner's side (its gate drops the oldest of too
     many handshakes from one host, as when many workers start together) is
@@ -370,7 +371,7 @@ def attach(
 ) -> Link | str:
     """Join loop number ``loop`` to this process's link to the pool
     ``service`` at ``address``, dialling it if there is none: the
-    :class:`Link`, or the :class:`~fiber_dask.poolprotocol.Reason` text why
+    :class:`Link`, or the :class:`~fiber_dask.engine.poolprotocol.Reason` text why
     there is none.
 
     ``deliver(msg)`` is called on the link's receiver thread with each

@@ -3,7 +3,7 @@
 A ``Process`` (:mod:`fiber_dask.process`, the parent's side) submits
 :func:`run_launcher` as one Dask task; it runs in a Dask worker process,
 connects back to the parent over the authenticated channel, starts the child
-(``python -c`` :data:`fiber_dask.processchild.BOOT`) and relays for it::
+(``python -c`` :data:`fiber_dask.launch.processchild.BOOT`) and relays for it::
 
     Dask worker process                                 worker host
     ───────────────────                                 ───────────
@@ -21,7 +21,7 @@ It returns a :class:`LaunchResult` saying how it ended; the parent reads it
 only when no launcher ever connected (to say why in ``Process.reason``).  The
 launcher secedes from the worker's thread pool once the child runs, so a
 running Process does not hold a task slot.  Mirrors
-:mod:`fiber_dask.poolworker`, the worker side of a Pool.
+:mod:`fiber_dask.engine.poolworker`, the worker side of a Pool.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import channel
+from ..comm import channel
 from .processchild import BOOT, PARENT_LOST
 
 __all__ = [
@@ -225,7 +225,7 @@ def _launch(
                 return False
 
     env = child_env(worker_address, scheduler_address, security)
-    from . import resourcetracker
+    from ..transparency import resourcetracker
 
     tracker_fds = resourcetracker.for_child(env)  # the worker's, as spawn shares it
     try:

@@ -1,6 +1,6 @@
 """Pool statistics: what each pool's owner reports to the scheduler, both ends.
 
-A pool's owner (its :class:`~fiber_dask.poolengine.PoolEngine`, in the user's
+A pool's owner (its :class:`~fiber_dask.engine.poolengine.PoolEngine`, in the user's
 process) is the only place that knows how a pool is doing: Dask sees each slot
 as one long task.  This module is the one owner of how those numbers travel::
 
@@ -16,7 +16,7 @@ as one long task.  This module is the one owner of how those numbers travel::
                                                   (fiber-dask info, the JSON
                                                   endpoint, the dashboard page)
     a pool waiting for slots
-    (fiber_dask.poolwait) ───────────── rpc ────► fiber_pools_slots(keys=[..])
+    (fiber_dask.engine.poolwait) ───────────── rpc ────► fiber_pools_slots(keys=[..])
                                                   ─► slots(): document() plus
                                                   which tasks hold each
                                                   worker's threads
@@ -34,7 +34,7 @@ as one long task.  This module is the one owner of how those numbers travel::
   :func:`loop_key` (``fiber-pool-<pool id>-<n>``), so the store can tell, from
   what the scheduler assigned to each worker, which pool holds which task
   slots (:meth:`PoolStore.slots`); a pool that waits for slots asks it once
-  in a while (:mod:`fiber_dask.poolwait`) to say who holds them.
+  in a while (:mod:`fiber_dask.engine.poolwait`) to say who holds them.
 * **Expiry**: the scheduler drops a pool when its owner says it was released,
   when the owner's client goes away, or when no report came for
   ``STALE_AFTER`` seconds (an owner that hangs or lost its connection).
@@ -66,7 +66,7 @@ What the numbers mean (per pool):
     (at least one chunk sent and not back), as seen from the owner.
 ``idle_timeout``
     seconds after which an idle slot of the pool gives its Dask slot back
-    (``fiber.pool.idle-timeout``, :mod:`fiber_dask.poolelastic`), or None
+    (``fiber.pool.idle-timeout``, :mod:`fiber_dask.engine.poolelastic`), or None
     when the pool keeps its slots until it is closed.
 """
 
@@ -83,7 +83,7 @@ import time
 import weakref
 from typing import Any
 
-from . import cluster
+from .. import cluster
 
 __all__ = [
     "PoolCounters",
@@ -102,7 +102,7 @@ __all__ = [
     "fetch_slots",
 ]
 
-logger = logging.getLogger("fiber_dask.poolstats")
+logger = logging.getLogger("fiber_dask.engine.poolstats")
 
 #: Version of the report format; the scheduler rejects reports of another.
 VERSION = 1

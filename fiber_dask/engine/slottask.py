@@ -1,11 +1,11 @@
 """The Dask task that holds a pool slot: :func:`run_pool_worker`.
 
-The pool's owner submits one per slot (:meth:`fiber_dask.poolengine.PoolEngine._submit_loops`).
+The pool's owner submits one per slot (:meth:`fiber_dask.engine.poolengine.PoolEngine._submit_loops`).
 With ``fiber.pool.slots: process`` (the default) the task is a *keeper* of a
-slot process that runs the loop (:func:`fiber_dask.slots.keep`); with
-``thread`` the task's own thread runs it (:func:`fiber_dask.poolworker.serve_slot`).
-Its own module, so that neither the loop (:mod:`fiber_dask.poolworker`, run in
-slot processes) nor the template (:mod:`fiber_dask.slotserver`) depends on the
+slot process that runs the loop (:func:`fiber_dask.engine.slots.keep`); with
+``thread`` the task's own thread runs it (:func:`fiber_dask.engine.poolworker.serve_slot`).
+Its own module, so that neither the loop (:mod:`fiber_dask.engine.poolworker`, run in
+slot processes) nor the template (:mod:`fiber_dask.engine.slotserver`) depends on the
 keeper that starts them.
 """
 
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import privaterandom
+from ..transparency import privaterandom
 from .poolworker import serve_slot
 from .slots import keep
 
@@ -38,7 +38,7 @@ def run_pool_worker(
     ``kill_after``: seconds after a terminate (or the owner's loss) at which a
     task that has not stopped ends this process; None never does.
     ``slots``: ``"process"`` (the task is a *keeper*: it holds the Dask slot
-    while a slot process of its own runs the loop, see :mod:`fiber_dask.slots`)
+    while a slot process of its own runs the loop, see :mod:`fiber_dask.engine.slots`)
     or ``"thread"`` (this Dask task thread runs the loop); None reads
     ``fiber.pool.slots``.
     """
@@ -49,7 +49,7 @@ def run_pool_worker(
     except (ImportError, ValueError):
         worker = None
     if slots is None:
-        from . import config
+        from .. import config
 
         slots = config.get("pool.slots")
     if slots == "process":

@@ -1,7 +1,7 @@
 """Which security a process's direct connections use: TLS or not, which
 certificate, and the authkey.
 
-The policy's one owner.  :mod:`fiber_dask.tls` holds the TLS connection
+The policy's one owner.  :mod:`fiber_dask.comm.tls` holds the TLS connection
 itself; the channel, the object server and the Manager ask this module which
 context to listen or connect with, and which authkey peers must prove.
 
@@ -33,7 +33,7 @@ import sys
 import threading
 from typing import Any
 
-from .errors import TLSConnectionError
+from ..errors import TLSConnectionError
 
 __all__ = [
     "authkey",
@@ -128,7 +128,7 @@ def mode(client: Any = None) -> tuple[Any, str | None, str]:
         return _pinned
     if client is not None:
         return _from_client(client, "the cluster of its Pool or Process")
-    from . import cluster
+    from .. import cluster
 
     handle = cluster.current_handle()
     if handle is not None:
@@ -141,8 +141,8 @@ def mode(client: Any = None) -> tuple[Any, str | None, str]:
             "worker",
             "its Dask worker",
         )
-    from . import config
-    from .backends.address import configured_address
+    from .. import config
+    from ..backends.address import configured_address
 
     address, where = configured_address()
     if not address and not config.get("backend"):

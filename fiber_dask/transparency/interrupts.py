@@ -11,7 +11,7 @@ ignores it.  So here:
 * **the cluster ignores it** (:func:`cluster_process`): the embedded cluster's
   Dask worker processes (:mod:`fiber_dask.backends.workerstart`, also the
   process they are forked from, from its command line on:
-  :data:`IGNORE_FIRST`) and the slot templates (:mod:`fiber_dask.slotserver`).
+  :data:`IGNORE_FIRST`) and the slot templates (:mod:`fiber_dask.engine.slotserver`).
   A Dask worker that took it closed itself and told its nanny to close too:
   the cluster was gone for good and the program's next map hung;
 * **the program's code takes it** (:func:`program_process`): a slot process
