@@ -22,10 +22,27 @@ from .errors import (
     PoolTerminatedError,
     WorkerLostError,
 )
+from .launch import childsetup
 from .launch.mainglobals import keep_code_filenames
 from .meta import meta
 
 keep_code_filenames()  # tracebacks from children and workers name the real file
+
+
+def _swap_from_environ() -> None:
+    # Under `fiber-dask run --swap-multiprocessing` a child's modules must get
+    # fiber_dask as their multiprocessing, as they do on the worker: the spec
+    # arrives in the environment the child inherited.
+    from . import swap
+
+    swap.install_from_environ()
+
+
+def _import_swap() -> None:
+    from . import swap  # noqa: F401
+
+
+childsetup.register(_swap_from_environ, preload=_import_swap)
 
 __version__ = "0.1.0"
 

@@ -319,7 +319,10 @@ def _is_user(g: Mapping[str, Any]) -> bool:
 
 
 def _import_swapped(name: str, g: Any, loc: Any, fromlist: Any) -> Any:
-    top = importlib.import_module("fiber_dask")
+    # The package: Python imports it before any of its submodules, this one
+    # included, so it is there (and the package root, which registers the
+    # swap for children, is not imported back from below it).
+    top = sys.modules[__package__]
     parts = name.split(".")
     module = top
     if len(parts) > 1:

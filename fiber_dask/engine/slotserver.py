@@ -50,8 +50,9 @@ def _preload() -> None:
 
     import fiber_dask.engine.poolworker  # noqa: F401
     import fiber_dask.launch.processchild  # noqa: F401
-    import fiber_dask.process  # noqa: F401
-    import fiber_dask.swap  # noqa: F401
+    from fiber_dask.launch import childsetup
+
+    childsetup.preload()  # the swap (fiber_dask.process came with the package)
 
     # The first getaddrinfo() on a str host imports the idna codec and compiles
     # its regexes: 5-10 ms in every slot process's connect, were it left to them.
@@ -437,8 +438,7 @@ def _print_interrupted(exc: KeyboardInterrupt) -> None:
 
 def _load_environment() -> None:
     """Apply the environment the keeper sent: import path, Dask config, swap."""
-    from fiber_dask import swap
-    from fiber_dask.launch import processchild
+    from fiber_dask.launch import childsetup, processchild
 
     processchild.extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
     if "dask" in sys.modules:
@@ -449,7 +449,7 @@ def _load_environment() -> None:
         # dask.config.refresh() would reread every YAML file: ~20 ms a fork).
         dask_env = {k: v for k, v in os.environ.items() if k.startswith("DASK_")}
         dask.config.update(dask.config.config, dask.config.collect_env(dask_env))
-    swap.install_from_environ()
+    childsetup.prepare()
 
 
 def _become_pool_worker(slot: int, authkey: bytes) -> None:

@@ -119,16 +119,15 @@ def main() -> int:
 
     import cloudpickle  # noqa: F401  (unpickling cloudpickled objects needs it)
 
-    from fiber_dask import swap
+    from fiber_dask.launch import childsetup
 
     extend_sys_path(os.environ.get("FIBER_DASK_SYS_PATH"))
     from fiber_dask.transparency import resourcetracker
 
     resourcetracker.adopt()  # the launcher's worker's, as spawn_main does
-    # Under `fiber-dask run --swap-multiprocessing` the user's modules imported by
-    # the unpickling below must get fiber_dask as their multiprocessing, as they do
-    # on the worker (the spec arrives in the environment inherited from it).
-    swap.install_from_environ()
+    # Before the unpickling below imports the user's modules: the swap, under
+    # `fiber-dask run --swap-multiprocessing` (registered by the package root).
+    childsetup.prepare()
 
     try:
         # (authkey, inner): our authkey is the parent's before the objects that
