@@ -28,7 +28,7 @@ import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# Workers must import ``helpers`` by name.  Spawned / forkserver children inherit
+# Workers must import ``tasks`` by name.  Spawned / forkserver children inherit
 # ``sys.path`` from the parent's preparation data, but a worker started another
 # way (a subprocess, ``dask worker`` on the command line) only sees PYTHONPATH.
 if TESTS_DIR not in sys.path:

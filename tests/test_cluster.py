@@ -17,7 +17,7 @@ import dask
 import psutil
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster, runs_under
+from support.clusters import loopback_cluster, runs_under
 from support.wait import wait_until
 
 import fiber_dask

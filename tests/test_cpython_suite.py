@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import sys
 
-import helpers_cpython
 import pytest
 from support.wait import wait_until
+from tasks import cpython
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cpython"))
 import run as cpython_run  # noqa: E402
@@ -78,7 +78,7 @@ def test_pool_forced_state_does_not_revive_a_terminated_pool(fiber_ctx):
     pool.join()
     pool._state = multiprocessing.pool.RUN
     with pytest.raises(ValueError, match="Pool not running"):
-        pool.apply(helpers_cpython.square, (2,))
+        pool.apply(cpython.square, (2,))
     pool._state = multiprocessing.pool.TERMINATE  # no warning at collection
 
 
@@ -89,7 +89,7 @@ def test_pool_pids_are_known_after_pool_returns_and_change_on_recycle(ctx):
     try:
         first = [slot.pid for slot in pool._pool]
         assert None not in first and len(first) == 2
-        assert pool.map(helpers_cpython.square, range(20), chunksize=1) == [
+        assert pool.map(cpython.square, range(20), chunksize=1) == [
             x * x for x in range(20)
         ]
         pool._repopulate_pool()
@@ -107,7 +107,7 @@ def test_pool_pids_are_known_after_pool_returns_and_change_on_recycle(ctx):
 def test_pool_initializer_runs_even_with_no_task(ctx, tmp_path):
     # TestInitializers.test_pool_initializer: close() + join() right away.
     path = str(tmp_path / "pids")
-    pool = ctx.Pool(2, helpers_cpython.record_pid, (path,))
+    pool = ctx.Pool(2, cpython.record_pid, (path,))
     pool.close()
     pool.join()
     with open(path) as f:
@@ -123,9 +123,7 @@ def test_shared_memory_attached_in_a_child_survives_its_exit(ctx):
     shm = shared_memory.SharedMemory(create=True, size=64)
     try:
         for data in (b"howdy", b"HELLO"):
-            p = ctx.Process(
-                target=helpers_cpython.attach_and_write, args=(shm.name, data)
-            )
+            p = ctx.Process(target=cpython.attach_and_write, args=(shm.name, data))
             p.start()
             p.join()
             assert p.exitcode == 0
@@ -144,9 +142,7 @@ def test_child_reuses_a_live_resource_tracker(ctx):
 
     _resource_tracker.ensure_running()
     r, w = ctx.Pipe(duplex=False)
-    p = ctx.Process(
-        target=helpers_cpython.tracker_shared, args=(w, _resource_tracker._pid)
-    )
+    p = ctx.Process(target=cpython.tracker_shared, args=(w, _resource_tracker._pid))
     p.start()
     assert r.poll(60)
     assert r.recv() is True
@@ -170,7 +166,7 @@ def test_manager_pool_gets_its_slots_on_the_embedded_cluster():
         pool = manager.Pool(n)
         try:
             # Each task waits until all n run at once: n slots exist.
-            out = pool.map(helpers_cpython.wait_at, [barrier] * n, chunksize=1)
+            out = pool.map(cpython.wait_at, [barrier] * n, chunksize=1)
             assert sorted(out) == list(range(n))
         finally:
             pool.terminate()
@@ -192,7 +188,7 @@ def test_a_dropped_running_pool_gives_its_slots_back(fiber_ctx):
     handle = cluster.get_handle()
     before = cluster.slots_in_use(handle)
     pool = fiber_ctx.Pool(2)
-    assert pool.apply(helpers_cpython.square, (3,)) == 9
+    assert pool.apply(cpython.square, (3,)) == 9
     assert cluster.slots_in_use(handle) == before + 2
     with pytest.warns(ResourceWarning, match="unclosed running multiprocessing pool"):
         del pool

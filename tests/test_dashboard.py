@@ -31,10 +31,10 @@ import urllib.request
 
 import pytest
 from distributed import Client, LocalCluster
-from helpers_dashboard import fail_on, hold
-from helpers_poolcore import counted_square, executions
 from support import browser
 from support.wait import wait_for_file, wait_until
+from tasks.dashboard import fail_on, hold
+from tasks.poolcore import counted_square, executions
 
 import fiber_dask
 from fiber_dask import dashboard

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers_examples import (
+from support.examples import (
     EXAMPLES,
     MARKUP,
     ROOT,

@@ -7,7 +7,7 @@ Tests named ``test_fiber_*`` cover what goes beyond the stdlib (worker loss that
 is recovered, cloudpickled functions, the compatibility arguments; the swap is
 tests/test_swap.py).
 
-Task functions live in ``helpers_futures.py`` and ``helpers.py`` because the
+Task functions live in ``tasks/futures.py`` and ``tasks/conformance.py`` because the
 stdlib's workers import them by name.  Tasks that must keep a worker busy wait
 for a file the test creates; nothing here sleeps for a fixed time.
 """
@@ -26,12 +26,19 @@ import sys
 import threading
 
 import dask
-import helpers_futures as hf
 import pytest
 from distributed import Client
-from helpers import CustomError, add, get_global, init_global, raise_custom, square
-from helpers_cluster import loopback_cluster
+from support.clusters import loopback_cluster
 from support.wait import wait_until
+from tasks import futures as hf
+from tasks.conformance import (
+    CustomError,
+    add,
+    get_global,
+    init_global,
+    raise_custom,
+    square,
+)
 
 import fiber_dask
 import fiber_dask.futures
@@ -518,7 +525,7 @@ def test_executor_benchmark_runs(tmp_path):
 EXIT_SCRIPT = """\
 import sys
 import fiber_dask.futures
-import helpers_futures as hf
+from tasks import futures as hf
 
 if __name__ == "__main__":
     ex = fiber_dask.futures.ProcessPoolExecutor(1)

@@ -17,9 +17,9 @@ import pytest
 joblib = pytest.importorskip("joblib")
 pytest.importorskip("sklearn")
 
-import helpers_futures as hf  # noqa: E402
-from helpers import CustomError, raise_custom, square  # noqa: E402
 from joblib import Parallel, delayed, parallel_config  # noqa: E402
+from tasks import futures as hf  # noqa: E402
+from tasks.conformance import CustomError, raise_custom, square  # noqa: E402
 
 import fiber_dask  # noqa: E402
 import fiber_dask.joblib  # noqa: E402,F401  (registers the backend)
@@ -125,7 +125,7 @@ def _executors_used() -> int:
 
 def test_own_client_option():
     from distributed import Client
-    from helpers_cluster import loopback_cluster
+    from support.clusters import loopback_cluster
 
     with loopback_cluster(1) as c, Client(c, set_as_default=False) as client:
         pids = set(client.run(os.getpid).values())

@@ -47,7 +47,7 @@ from fiber_dask.meta import RESOURCE_NAMES
 
 pytest.importorskip("dask_kubernetes")
 
-import helpers_kubernetes as hk  # noqa: E402
+from support import kubeapi as hk  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = REPO / "adapters"

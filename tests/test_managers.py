@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from helpers_managers import (
+from tasks.managers import (
     FiberAsyncCounterManager,
     connector_class,
     counter_manager,

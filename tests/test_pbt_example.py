@@ -16,7 +16,7 @@ import re
 import sys
 
 import pytest
-from helpers_examples import EXAMPLES, assert_png, run_example
+from support.examples import EXAMPLES, assert_png, run_example
 
 POPULATION, ROUNDS, STEPS = 4, 5, 100
 CUT = 1  # --fraction 0.25 of 4 members

@@ -15,9 +15,9 @@ import signal
 import dask
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
-from helpers_poolcore import counted_square, executions, kill_self_on_7
+from support.clusters import loopback_cluster
 from support.wait import wait_for_file
+from tasks.poolcore import counted_square, executions, kill_self_on_7
 
 import fiber_dask
 from fiber_dask import WorkerLostError

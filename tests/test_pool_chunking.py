@@ -12,9 +12,9 @@ import time
 
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
-from helpers_poolcore import counted_square, executions
+from support.clusters import loopback_cluster
 from support.wait import wait_for_file
+from tasks.poolcore import counted_square, executions
 
 import fiber_dask
 from fiber_dask.engine.poolresults import measured_chunksize

@@ -7,7 +7,7 @@ CPython 3.11's ``multiprocessing.pool``).  Where fiber_dask deliberately goes be
 stdlib (cloudpickled lambdas, closures, ``__main__`` functions; bounded ``imap``
 read-ahead) the test is fiber-only and named ``test_fiber_*``.
 
-Task functions live in ``helpers.py`` because stdlib workers import them by name.
+Task functions live in ``tasks/conformance.py`` because stdlib workers import them by name.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import time
 import uuid
 import warnings
 
-import helpers
 import pytest
-from helpers import (
+from support.wait import wait_for_file
+from tasks import conformance
+from tasks.conformance import (
     CustomError,
     add,
     fail_on_three,
@@ -38,8 +39,7 @@ from helpers import (
     sleepy,
     square,
 )
-from helpers_poolcore import marked_sleep
-from support.wait import wait_for_file
+from tasks.poolcore import marked_sleep
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -457,7 +457,7 @@ def test_custom_exception_preserved(ctx):
     with ctx.Pool(2) as pool:
         with pytest.raises(CustomError) as excinfo:
             pool.apply(raise_custom, (7,))
-        assert type(excinfo.value) is helpers.CustomError
+        assert type(excinfo.value) is conformance.CustomError
         assert excinfo.value.args == ("custom failure", 7)
         assert isinstance(excinfo.value.__cause__, multiprocessing.pool.RemoteTraceback)
         assert "raise_custom" in str(excinfo.value.__cause__)

@@ -22,8 +22,9 @@ import dask
 import psutil
 import pytest
 from distributed import Client
-from helpers_cluster import command_line_cluster, loopback_cluster
-from helpers_poolcore import (
+from support.clusters import command_line_cluster, loopback_cluster
+from support.wait import wait_for_file, wait_until
+from tasks.poolcore import (
     NeedsArgs,
     base,
     counted_square,
@@ -34,7 +35,6 @@ from helpers_poolcore import (
     raise_needs_args,
     spin_then_linger,
 )
-from support.wait import wait_for_file, wait_until
 
 import fiber_dask
 from fiber_dask import WorkerLostError

@@ -335,8 +335,8 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("kmock", reason="kmock (Python >= 3.11) emulates the API")
     import pathlib
 
-    import helpers_kubernetes as hk
     import kr8s
+    from support import kubeapi as hk
 
     repo = pathlib.Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
@@ -367,7 +367,7 @@ def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
     the default group for an open pool's work, retires a worker while that
     pool is open and idle (its slots given back), and grows it again when work
     is queued on the same pool, which then runs on the new worker."""
-    import helpers_kubernetes as hk
+    from support import kubeapi as hk
 
     api, kubelet = kube
     name = "fiber-elastic"

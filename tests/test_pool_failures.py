@@ -15,10 +15,10 @@ import time
 import dask
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
-from helpers_poolcore import counted_square, executions, marked_spin
+from support.clusters import loopback_cluster
 from support.processes import running
 from support.wait import wait_for_file, wait_until
+from tasks.poolcore import counted_square, executions, marked_spin
 
 import fiber_dask
 from fiber_dask import WorkerLostError

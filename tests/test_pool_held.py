@@ -29,9 +29,9 @@ import textwrap
 
 import pytest
 from distributed import Client, LocalCluster
-from helpers import square
-from helpers_dashboard import hold
 from support.wait import wait_for_file, wait_until
+from tasks.conformance import square
+from tasks.dashboard import hold
 
 import fiber_dask
 from fiber_dask.engine import poolwait

@@ -24,9 +24,9 @@ import dask
 import psutil
 import pytest
 from distributed import Client, LocalCluster
-from helpers_links import held_square, perturb_in_place, where
-from helpers_poolcore import base, executions
 from support.wait import wait_for_file, wait_until
+from tasks.links import held_square, perturb_in_place, where
+from tasks.poolcore import base, executions
 
 import fiber_dask
 from fiber_dask.comm import channel, security

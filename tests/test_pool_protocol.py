@@ -8,7 +8,7 @@ import pickle
 import random
 
 import pytest
-from helpers_poolcore import NeedsArgs
+from tasks.poolcore import NeedsArgs
 
 from fiber_dask.engine import poolprotocol as proto
 from fiber_dask.errors import RemoteTaskError

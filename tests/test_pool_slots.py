@@ -23,7 +23,7 @@ import dask
 import psutil
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
+from support.clusters import loopback_cluster
 from support.processes import running
 from support.wait import wait_for_file, wait_until
 

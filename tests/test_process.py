@@ -19,12 +19,12 @@ import sys
 import textwrap
 import time
 
-import helpers_process as hp
 import psutil
 import pytest
 from distributed import Client
-from helpers_cluster import loopback_cluster
+from support.clusters import loopback_cluster
 from support.wait import wait_for_file
+from tasks import process as hp
 
 from fiber_dask.process import Process, active_children
 
@@ -382,7 +382,7 @@ def test_fiber_exit_terminates_daemons_and_joins_others(tmp_path):
     other_path = str(tmp_path / "other")
     script = textwrap.dedent(
         f"""
-        import helpers_process as hp
+        from tasks import process as hp
         from fiber_dask.process import Process
 
         if __name__ == "__main__":

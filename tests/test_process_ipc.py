@@ -143,7 +143,7 @@ def test_fiber_meta_places_a_process_on_a_worker_with_the_resource(tmp_path):
     import sys
 
     from distributed import Client
-    from helpers_cluster import loopback_cluster
+    from support.clusters import loopback_cluster
 
     import fiber_dask
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
-import helpers_parent as hp
 import psutil
 import pytest
 from support.wait import wait_until
+from tasks import parent as hp
 
 from fiber_dask.launch import launcher
 

@@ -18,9 +18,9 @@ import sys
 import time
 
 import dask.config
-import helpers_process as hp
 import pytest
 from support.wait import wait_for_file, wait_until
+from tasks import process as hp
 
 from fiber_dask import cluster
 from fiber_dask.errors import ClusterConnectionError

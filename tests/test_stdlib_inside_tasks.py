@@ -1,7 +1,7 @@
 """The stdlib's own ``multiprocessing`` inside a pool task and a Process child,
 with the stdlib as the oracle (issue 28, item 3).
 
-A task body (tests/helpers_stdlib_inside.py) runs in a stdlib pool worker and
+A task body (tests/tasks/stdlib_inside.py) runs in a stdlib pool worker and
 in a fiber-dask slot process, a child body in a stdlib ``Process`` and in a
 ``fiber_dask.Process``, and the outcomes (results, exception class and
 message, warnings) must be the same.  A stdlib pool worker is daemonic, so
@@ -24,10 +24,10 @@ import os
 import subprocess
 import sys
 
-import helpers_stdlib_inside as h
 import pytest
-from helpers_cluster import command_line_cluster
+from support.clusters import command_line_cluster
 from support.wait import wait_until
+from tasks import stdlib_inside as h
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -212,7 +212,7 @@ TRACKER_RULE = """
 import json, os, sys
 if os.environ.get("IMPORT_AT_TOP"):
     import fiber_dask  # a worker forks its slot template as it imports this
-import helpers_stdlib_inside as h
+from tasks import stdlib_inside as h
 
 if __name__ == "__main__":
     import fiber_dask
@@ -296,7 +296,7 @@ def test_the_tracker_rule_on_a_cluster_started_on_the_command_line(tmp_path):
 
 LEFT_BEHIND = """
 import sys
-import helpers_stdlib_inside as h
+from tasks import stdlib_inside as h
 
 if __name__ == "__main__":
     if sys.argv[1] == "stdlib":

@@ -20,6 +20,7 @@ import select
 import socket
 import ssl
 import struct
+import sys
 import threading
 import time
 
@@ -91,6 +92,32 @@ def fd_readable(conn) -> bool:
     return bool(select.select([conn.fileno()], [], [], 0)[0])
 
 
+def whole_records_waiting(conn) -> int:
+    """How many whole TLS records wait, still encrypted, in ``conn``'s socket
+    (peeked: nothing is taken from it)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        try:
+            data = sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+    count = 0
+    while len(data) >= 5:
+        end = 5 + struct.unpack("!H", data[3:5])[0]  # type, version, length
+        if len(data) < end:
+            break
+        count, data = count + 1, data[end:]
+    return count
+
+
+def _blocked_in_recv(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name in ("recv_bytes", "_recv", "recv_into", "recv"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 # ------------------------------------------------------------ the connection
 
 
@@ -121,7 +148,9 @@ def test_poll_sees_data_already_decrypted_not_only_the_socket(security):
     try:
         client.send_bytes(b"one")
         client.send_bytes(b"two")
-        time.sleep(0.2)  # both arrived
+        wait_until(
+            lambda: whole_records_waiting(server) >= 2, 5, "both messages to arrive"
+        )
         assert server.poll(5)
         # poll() decrypted the first message: its bytes left the socket, but
         # the second is still there -- it never reads past a message's end.
@@ -236,7 +265,7 @@ def test_end_of_stream_and_hangup(security):
 
     t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.2)
+    wait_until(lambda: _blocked_in_recv(t), 5, "the reader to block in recv_bytes")
     channel.hangup(server)
     t.join(5)
     assert not t.is_alive() and "error" in result
@@ -370,13 +399,17 @@ def test_tls_client_to_a_plaintext_endpoint_refuses_to_go_on(pinned):
     plain = channel.ChannelServer("127.0.0.1", KEY)
     got = []
     plain.register("echo", lambda conn, hello: got.append(hello))
+    stats = gate.get_gate().stats
+    rejected = stats["rejected"]
     try:
         start = time.monotonic()
         with pytest.raises(TLSConnectionError, match="does not use TLS"):
             channel.connect(plain.address, KEY, "echo", hello="secret", timeout=20)
         assert time.monotonic() - start < 3
-        time.sleep(0.2)
-        assert got == []  # the hello was never sent
+        # the server's gate turned the TLS handshake away, and nothing reached
+        # the service: the hello was never sent
+        wait_until(lambda: stats["rejected"] > rejected, 5, "the gate to reject it")
+        assert got == []
     finally:
         plain.close()
 
@@ -439,13 +472,15 @@ def test_a_stranger_without_certificate_gets_nothing_unpickled(tls_server):
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
+    stats = gate.get_gate().stats
+    rejected = stats["rejected"]
     sock = socket.create_connection(tls_server.address)
     with pytest.raises((TLSConnectionError, EOFError, OSError)):
         conn = tls.connect(sock, ctx, 5, "the server")
         # TLS 1.3: the refusal arrives after the client's side of the handshake.
         conn.send_bytes(pickle.dumps(Boom()))
         conn.recv_bytes()
-    time.sleep(0.2)
+    wait_until(lambda: stats["rejected"] > rejected, 5, "the gate to reject it")
     assert tls_server.got == [] and not Boom.unpickled.is_set()
     # Junk instead of a TLS handshake: closed at once.
     with socket.create_connection(tls_server.address) as s:

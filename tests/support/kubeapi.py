@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import yaml
+
 from support import semaphores
 from support.wait import wait_until
 

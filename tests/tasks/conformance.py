@@ -3,7 +3,7 @@
 Everything here must be importable *by name* in a worker process: stdlib
 ``multiprocessing`` pickles functions by reference, so the workers (forkserver
 children for the stdlib oracle, Dask worker processes for fiber_dask) import this
-module as ``helpers``.  ``tests/`` is on ``sys.path`` through pytest's rootdir
+module as ``tasks.conformance``.  ``tests/`` is on ``sys.path`` through pytest's rootdir
 handling and, for processes started another way, through ``PYTHONPATH`` (see
 ``conftest.py``).
 

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from helpers_poolcore import _log, mark_started
+from tasks.poolcore import _log, mark_started
 
 
 def where(x: int) -> tuple[int, int, int]:
@@ -15,7 +15,7 @@ def where(x: int) -> tuple[int, int, int]:
 
 
 def held_square(x: int, directory: str) -> int:
-    """``x * x``.  Every execution is logged (``helpers_poolcore.executions``
+    """``x * x``.  Every execution is logged (``tasks.poolcore.executions``
     counts them); the first writes ``started-<x>`` (this pid) and waits for
     the file ``release``."""
     if _log(directory, x) == 0:
