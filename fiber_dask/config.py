@@ -25,10 +25,12 @@ import copy
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cache, partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import dask.config
 import yaml
+
+from .errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     import jsonschema
@@ -148,42 +150,6 @@ def timedelta(key: str, override: Any = None) -> float:
 
 
 # ----------------------------------------------------------------------- validation
-
-
-class Problem(NamedTuple):
-    """One thing wrong with the configuration, as collected by :func:`validate`."""
-
-    #: Dotted key, e.g. ``"fiber.local.n-workers"``.
-    key: str
-    #: The offending value.
-    value: Any
-    #: What is wrong, e.g. ``"unknown key; did you mean 'chunksize'?"``.
-    reason: str
-    #: What would be accepted.
-    allowed: str
-    #: Where the value came from (environment variable, file, code).
-    source: str
-
-    def __str__(self) -> str:
-        return (
-            f"{self.key} = {self.value!r}\n"
-            f"    {self.reason}\n"
-            f"    allowed: {self.allowed}\n"
-            f"    from: {self.source}"
-        )
-
-
-class ConfigError(ValueError):
-    """The ``fiber`` configuration is invalid.
-
-    The message names every offending key, its value, what is allowed and where the
-    value came from; the same information is available as :attr:`problems`.
-    """
-
-    def __init__(self, message: str, problems: Sequence[Problem] = ()) -> None:
-        super().__init__(message)
-        #: The individual problems, most relevant first.
-        self.problems: tuple[Problem, ...] = tuple(problems)
 
 
 @cache
@@ -383,7 +349,7 @@ def validate(*, extra_paths: Iterable[str | os.PathLike[str]] = ()) -> dict[str,
     ...     config.validate()  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fiber_dask.config.ConfigError: Invalid fiber-dask configuration (1 problem):
+    fiber_dask.errors.ConfigError: Invalid fiber-dask configuration (1 problem):
     ...
     """
     global _last_valid

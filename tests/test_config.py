@@ -22,6 +22,7 @@ import dask.config
 import jsonschema
 import pytest
 import yaml
+from support.importalone import import_alone
 
 from fiber_dask import config
 
@@ -217,22 +218,16 @@ def test_available_backends() -> None:
 
 
 def test_config_import_is_cheap() -> None:
-    # Load config.py on its own (not through fiber_dask/__init__.py, which is not
-    # this module's business) in a fresh interpreter.
-    code = textwrap.dedent(
-        f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location(
-            "probe_config", {str(REPO / "fiber_dask" / "config.py")!r})
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        import dask
-        assert dask.config.get("fiber.local.threads-per-worker") == 1
-        heavy = sorted({{"distributed", "jsonschema"}} & set(sys.modules))
-        assert not heavy, heavy
-        """
+    # config.py and what it imports, not fiber_dask/__init__.py (which is not this
+    # module's business), in a fresh interpreter.
+    loaded = import_alone(
+        "fiber_dask.config",
+        then="import dask; assert dask.config.get('fiber.local.threads-per-worker') == 1",
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    heavy = sorted({"distributed", "jsonschema"} & loaded)
+    assert not heavy, heavy
+    ours = {m for m in loaded if m.startswith("fiber_dask.")}
+    assert ours == {"fiber_dask.config", "fiber_dask.errors"}
 
 
 # ----------------------------------------------------------- environment variables
