@@ -301,7 +301,10 @@ def available_backends() -> list[str]:
     >>> {"address", "local"} <= set(config.available_backends())
     True
     """
-    from .backends import available_backends as registered  # the one registry
+    # The one registry; a leaf, it imports nothing of fiber_dask.  Imported here, not
+    # at the top: it comes with its package (the cluster layer), which
+    # ``import fiber_dask.config`` does not load.
+    from .backends.registry import available_backends as registered
 
     return registered()
 
