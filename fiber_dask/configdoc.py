@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import config
+from . import configschema
 
 __all__ = ["reference_markdown", "reference_page", "rows"]
 
@@ -27,8 +27,8 @@ END = "<!-- config-reference:end -->"
 
 def rows() -> Iterator[tuple[str, Any, str]]:
     """(dotted key, default, summary) for every leaf of the ``fiber`` schema."""
-    fiber = config.schema()["properties"]["fiber"]
-    for key, node, default in _leaves(fiber, config.defaults["fiber"], "fiber"):
+    fiber = configschema.schema()["properties"]["fiber"]
+    for key, node, default in _leaves(fiber, configschema.defaults["fiber"], "fiber"):
         yield key, default, _summary(node.get("description", ""))
 
 
@@ -54,9 +54,9 @@ def reference_markdown() -> str:
 
 def reference_page() -> str:
     """Every ``fiber.*`` key in full, as Markdown sections grouped by section."""
-    fiber = config.schema()["properties"]["fiber"]
+    fiber = configschema.schema()["properties"]["fiber"]
     lines: list[str] = []
-    for name, node, default in _leaves(fiber, config.defaults["fiber"], "fiber"):
+    for name, node, default in _leaves(fiber, configschema.defaults["fiber"], "fiber"):
         env = "DASK_" + "__".join(
             part.upper().replace("-", "_") for part in name.split(".")
         )
@@ -65,7 +65,7 @@ def reference_page() -> str:
             "",
             node.get("description", "").strip(),
             "",
-            f"- **accepts:** {config.describe_schema(node)}",
+            f"- **accepts:** {configschema.describe_schema(node)}",
             f"- **default:** {_cell(default)}",
             f"- **environment variable:** `{env}`",
             "",

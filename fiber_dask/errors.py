@@ -1,16 +1,26 @@
-"""fiber-dask's own errors.  Each subclasses the stdlib class a caller already catches."""
+"""fiber-dask's own errors, and the problems a :class:`ConfigError` lists.
+
+Each error subclasses the stdlib class a caller already catches.  A leaf: this
+module imports nothing of fiber_dask, so that every layer can raise these (the
+configuration's :class:`ConfigError` too: the backends raise it, and the
+configuration's validation reads the backends' registry).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures.process
 import multiprocessing
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
     "BrokenProcessPool",
     "ClusterCapacityError",
     "ClusterConnectionError",
+    "ConfigError",
     "ManagerConnectionError",
     "PoolTerminatedError",
+    "Problem",
     "RemoteTaskError",
     "TLSConnectionError",
     "WorkerLostError",
@@ -91,3 +101,43 @@ class BrokenProcessPool(concurrent.futures.process.BrokenProcessPool):
     the other calls go on), an initializer that raised, or a pool terminated by
     ``fiber_dask.shutdown()`` (the executor is then unusable, as in the stdlib).
     """
+
+
+class Problem(NamedTuple):
+    """One thing wrong with the configuration, as a :class:`ConfigError` carries it.
+
+    Collected by :func:`fiber_dask.config.validate`, one per offending key.
+    """
+
+    #: Dotted key, e.g. ``"fiber.local.n-workers"``.
+    key: str
+    #: The offending value.
+    value: Any
+    #: What is wrong, e.g. ``"unknown key; did you mean 'chunksize'?"``.
+    reason: str
+    #: What would be accepted.
+    allowed: str
+    #: Where the value came from (environment variable, file, code).
+    source: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.key} = {self.value!r}\n"
+            f"    {self.reason}\n"
+            f"    allowed: {self.allowed}\n"
+            f"    from: {self.source}"
+        )
+
+
+class ConfigError(ValueError):
+    """The ``fiber`` configuration is invalid.
+
+    The message names every offending key, its value, what is allowed and where the
+    value came from; the same information is available as :attr:`problems`.
+    Also importable as ``fiber_dask.config.ConfigError``.
+    """
+
+    def __init__(self, message: str, problems: Sequence[Problem] = ()) -> None:
+        super().__init__(message)
+        #: The individual problems, most relevant first.
+        self.problems: tuple[Problem, ...] = tuple(problems)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 from distributed import Client
 from support.clusters import loopback_cluster, runs_under
+from support.importalone import import_alone
 from support.wait import wait_until
 
 import fiber_dask
@@ -294,12 +295,13 @@ def test_broken_entry_point_metadata_is_reported_once_and_keeps_the_builtins(
     import warnings
 
     from fiber_dask import backends, config
+    from fiber_dask.backends import registry
 
     def broken(group):
         raise ValueError("bad entry_points.txt in some-dist")
 
     monkeypatch.setattr(importlib.metadata, "entry_points", broken)
-    monkeypatch.setattr(backends, "_reported", set())
+    monkeypatch.setattr(registry, "_reported", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert config.available_backends() == ["address", "local"]
@@ -309,6 +311,18 @@ def test_broken_entry_point_metadata_is_reported_once_and_keeps_the_builtins(
     (warning,) = [w for w in seen if "entry points" in str(w.message)]
     assert "fiber_dask.backends" in str(warning.message)
     assert "bad entry_points.txt in some-dist" in str(warning.message)
+
+
+def test_the_backend_registry_is_a_leaf():
+    # The configuration's validation asks it for the names fiber.backend accepts;
+    # it must bring nothing of fiber_dask with it, when imported or when asked.
+    loaded = import_alone(
+        "fiber_dask.backends.registry",
+        then="assert {'address', 'local'} <= set(module.available_backends())",
+    )
+    ours = {m for m in loaded if m.startswith("fiber_dask")}
+    # the two stand-ins for its packages, and itself
+    assert ours == {"fiber_dask", "fiber_dask.backends", "fiber_dask.backends.registry"}
 
 
 def test_init_and_shutdown_give_explicit_control(existing):

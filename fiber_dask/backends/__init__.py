@@ -11,21 +11,27 @@ backends register themselves in the ``fiber_dask.backends`` entry-point group::
 
 and are chosen with ``fiber.backend: mybackend``.
 
-This module is the one registry: :func:`available_backends` (the names
-``fiber.validate`` accepts) and :func:`load_backend` (the class for a name) read
-the same entries.  Broken entry-point metadata is reported once, as a warning
-naming the group and the error, and leaves the built-ins usable; an entry point
-whose target cannot be imported is a :class:`~fiber_dask.config.ConfigError`
-naming the entry point and the error, raised when it is chosen.
+The registry is :mod:`.registry`, a leaf that imports nothing of fiber_dask:
+:func:`available_backends` (the names ``fiber.validate`` accepts) and
+:func:`load_backend` (the class for a name, here) read the same entries.  An
+entry point whose target cannot be imported is a
+:class:`~fiber_dask.errors.ConfigError` naming the entry point and the error,
+raised when it is chosen.
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
 
+from ..errors import ConfigError
 from .base import Backend, ClusterHandle
+from .registry import (
+    BUILTIN_BACKENDS,
+    ENTRY_POINT_GROUP,
+    available_backends,
+    entries,
+)
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -36,65 +42,17 @@ __all__ = [
     "load_backend",
 ]
 
-#: Entry-point group in which backends register their names.
-ENTRY_POINT_GROUP = "fiber_dask.backends"
-
-#: Backends that ship with fiber-dask, usable even without installed metadata
-#: (a source checkout on ``sys.path``); plugins add more through entry points.
-BUILTIN_BACKENDS = {
-    "local": "fiber_dask.backends.local:LocalBackend",
-    "address": "fiber_dask.backends.address:AddressBackend",
-}
-
-_reported: set[str] = set()  # broken metadata already warned about
-
-
-def _registry() -> dict[str, str]:
-    """Name → ``module:attribute`` of every backend: the built-ins, then the
-    entry points (which may replace a built-in)."""
-    found = dict(BUILTIN_BACKENDS)
-    from importlib.metadata import entry_points
-
-    try:
-        registered = [
-            (ep.name, ep.value) for ep in entry_points(group=ENTRY_POINT_GROUP)
-        ]
-    except Exception as e:  # noqa: BLE001 - any broken distribution's metadata
-        # It must not make every Pool creation fail: the built-ins stay usable,
-        # and an unknown name is still reported by fiber.backend's check.
-        message = f"{type(e).__name__}: {e}"
-        if message not in _reported:
-            _reported.add(message)
-            warnings.warn(
-                f"fiber-dask cannot read the {ENTRY_POINT_GROUP!r} entry points "
-                f"({message}); only the built-in backends "
-                f"({', '.join(sorted(BUILTIN_BACKENDS))}) are available. Reinstall "
-                "the distribution whose metadata is broken.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        registered = []
-    found.update(registered)
-    return found
-
-
-def available_backends() -> list[str]:
-    """Names accepted by ``fiber.backend``, sorted."""
-    return sorted(_registry())
-
 
 def load_backend(name: str) -> type[Backend]:
     """The backend class registered under ``name``.
 
     Raises
     ------
-    fiber_dask.config.ConfigError
+    fiber_dask.errors.ConfigError
         No backend has that name, or its entry point cannot be loaded (the
         message names the entry point and the error).
     """
-    from ..config import ConfigError
-
-    registry = _registry()
+    registry = entries()
     try:
         target = registry[name]
     except KeyError:

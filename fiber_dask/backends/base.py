@@ -6,6 +6,9 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+from .. import config
+from ..errors import ClusterConnectionError
+
 __all__ = ["Backend", "ClusterHandle", "connect"]
 
 
@@ -110,8 +113,6 @@ def connect(target: Any, failure: Callable[[float, Exception], str]) -> Any:
     ``ClusterConnectionError(failure(timeout, error))``.  The client is marked as
     fiber-dask's own, so that :meth:`ClusterHandle.close` closes it.
     """
-    from .. import config
-    from ..errors import ClusterConnectionError
     from ..transparency.interrupts import deferred
 
     with deferred():  # a first import of distributed is made whole

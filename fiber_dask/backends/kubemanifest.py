@@ -45,7 +45,7 @@ from typing import Any
 import dask.config
 
 from .. import config
-from ..config import ConfigError, Problem
+from ..errors import ConfigError, Problem
 from .base import DASHBOARD_PRELOAD
 
 __all__ = [

@@ -50,13 +50,13 @@ def info(
 
     import fiber_dask
     from fiber_dask import cluster
-    from fiber_dask.errors import ClusterConnectionError
+    from fiber_dask.errors import ClusterConnectionError, ConfigError
 
     try:
         handle = cluster.get_handle()
     except ClusterConnectionError as e:
         raise CLIError(str(e)) from None
-    except (fiber_dask.config.ConfigError, OSError) as e:
+    except (ConfigError, OSError) as e:
         raise CLIError(f"cannot start or reach the cluster: {e}") from None
     except TimeoutError as e:
         raise CLIError(f"timed out starting or reaching the cluster: {e}") from None

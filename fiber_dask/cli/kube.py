@@ -34,7 +34,7 @@ def manifest(config_files: tuple[str, ...]) -> None:
     """
     import yaml
 
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     loaded = apply_config(config_files)
     try:

@@ -228,8 +228,7 @@ def _start_swap(module: types.ModuleType, path: str, extra: list[str]) -> None:
     place before any task can import a user module on a worker.
     """
     from .. import swap
-    from ..config import ConfigError
-    from ..errors import ClusterConnectionError
+    from ..errors import ClusterConnectionError, ConfigError
 
     spec = swap.Spec.for_script(path, extra)
     os.environ[swap.MAIN_ENV_VAR] = spec.script
