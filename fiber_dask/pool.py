@@ -12,12 +12,14 @@ How a call travels::
       chunk, send each loop      then settle the jobs: callbacks,  answer runs
       its chunks in one          event.set()                       of them
       Calls([Call(ckey, …), …]) ────────────────────────────────►
-    Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
-    died, scales the cluster.  Per task there is no scheduler round trip.
+    Dask: places the loops (poolloops: one client.map, pure=False), re-runs a loop
+    whose worker died, scales the cluster.  Per task there is no scheduler round trip.
 
 The messages are :mod:`fiber_dask.engine.poolprotocol`'s (both ends use it); the
-dispatcher is :class:`fiber_dask.engine.poolengine.PoolEngine`; the loop is
-:mod:`fiber_dask.engine.poolworker`; jobs and results are :mod:`fiber_dask.engine.poolresults`.
+dispatcher is :class:`fiber_dask.engine.poolengine.PoolEngine`; the loops' Dask
+tasks are kept running by :class:`fiber_dask.engine.poolloops.Loops`; the loop
+is :mod:`fiber_dask.engine.poolworker`; jobs and results are
+:mod:`fiber_dask.engine.poolresults`.
 
 Each loop keeps a few chunks queued (``fiber.pool.prefetch`` worth of work,
 learned from observed chunk times) so it never waits for the owner, and long
