@@ -74,11 +74,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Pool(PoolEngine):
+class Pool:
     """A process pool whose processes are Dask workers.
 
     Same signature and behaviour as :class:`multiprocessing.pool.Pool`; the
-    keyword-only arguments after the stdlib ones are fiber-dask's.
+    keyword-only arguments after the stdlib ones are fiber-dask's.  The work is
+    done by the :class:`~fiber_dask.engine.poolengine.PoolEngine` it holds
+    (``_engine``); the pool inherits nothing from it, so what code sees on a
+    pool (``dir``, ``hasattr``) is the stdlib pool's surface.
 
     Parameters
     ----------
