@@ -12,12 +12,14 @@ How a call travels::
       chunk, send each loop      then settle the jobs: callbacks,  answer runs
       its chunks in one          event.set()                       of them
       Calls([Call(ckey, …), …]) ────────────────────────────────►
-    Dask: places the loops (client.submit, pure=False), re-runs a loop whose worker
-    died, scales the cluster.  Per task there is no scheduler round trip.
+    Dask: places the loops (poolloops: one client.map, pure=False), re-runs a loop
+    whose worker died, scales the cluster.  Per task there is no scheduler round trip.
 
 The messages are :mod:`fiber_dask.engine.poolprotocol`'s (both ends use it); the
-dispatcher is :class:`fiber_dask.engine.poolengine.PoolEngine`; the loop is
-:mod:`fiber_dask.engine.poolworker`; jobs and results are :mod:`fiber_dask.engine.poolresults`.
+dispatcher is :class:`fiber_dask.engine.poolengine.PoolEngine`; the loops' Dask
+tasks are kept running by :class:`fiber_dask.engine.poolloops.Loops`; the loop
+is :mod:`fiber_dask.engine.poolworker`; jobs and results are
+:mod:`fiber_dask.engine.poolresults`.
 
 Each loop keeps a few chunks queued (``fiber.pool.prefetch`` worth of work,
 learned from observed chunk times) so it never waits for the owner, and long
@@ -72,11 +74,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Pool(PoolEngine):
+class Pool:
     """A process pool whose processes are Dask workers.
 
     Same signature and behaviour as :class:`multiprocessing.pool.Pool`; the
-    keyword-only arguments after the stdlib ones are fiber-dask's.
+    keyword-only arguments after the stdlib ones are fiber-dask's.  The work is
+    done by the :class:`~fiber_dask.engine.poolengine.PoolEngine` it holds
+    (``_engine``); the pool inherits nothing from it, so what code sees on a
+    pool (``dir``, ``hasattr``) is the stdlib pool's surface.
 
     Parameters
     ----------

@@ -16,6 +16,7 @@ import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -692,6 +693,12 @@ def test_repr_shows_state(ctx):
     assert "state=TERMINATE" in repr(pool)
 
 
+def test_pool_cannot_be_pickled(ctx):
+    with ctx.Pool(1) as pool:
+        with pytest.raises(NotImplementedError, match="passed between processes"):
+            pickle.dumps(pool)
+
+
 def test_task_runs_in_another_process(ctx):
     with ctx.Pool(2) as pool:
         pids = set(pool.map(getpid, range(8), chunksize=1))
@@ -727,6 +734,31 @@ def test_fiber_top_level_api():
         pids = set(pool.map(getpid, range(8), chunksize=1))
         assert pool.apply(square, (6,)) == 36
     assert os.getpid() not in pids
+
+
+# What a fiber-dask pool has that a stdlib pool has not: the engine it holds
+# and its own helpers, none of the engine's (issue 29: it used to inherit the
+# engine it also held, and showed some 40 engine methods that failed if called).
+FIBER_POOL_OWN = {"_engine", "_server", "_wait", "_imap"}
+
+
+def test_fiber_pool_shows_the_stdlib_pools_surface_not_its_engine(fiber_ctx):
+    from fiber_dask.engine.poolengine import PoolEngine
+
+    with multiprocessing.get_context("forkserver").Pool(1) as oracle:
+        stdlib = set(dir(oracle))
+    with fiber_ctx.Pool(1) as pool:
+        names = set(dir(pool))
+        assert sorted(n for n in names - stdlib if not n.startswith("_")) == []
+        assert names - stdlib == FIBER_POOL_OWN
+        engine_only = set(dir(PoolEngine)) - stdlib
+        assert sorted(n for n in engine_only if hasattr(pool, n)) == []
+        for name in ("start", "submit", "slots", "signal", "_dispatch"):
+            with pytest.raises(AttributeError):
+                getattr(pool, name)
+        assert PoolEngine not in type(pool).__mro__
+        assert isinstance(pool._engine, PoolEngine)
+        assert pool.map(square, range(4)) == [0, 1, 4, 9]
 
 
 def test_fiber_lambda_tasks(fiber_ctx):

@@ -121,7 +121,7 @@ def _init_pids(directory: str) -> set[int]:
 
 def _all_given_back(pool, n: int) -> bool:
     e = pool._engine
-    return e._elastic.given_back >= n and not e._position and not e._peers
+    return e._elastic.given_back >= n and not e._loops.position and not e._peers
 
 
 @pytest.mark.timeout(90)
@@ -140,7 +140,7 @@ def test_idle_slots_are_given_back_and_come_back(fiber_ctx, tmp_path) -> None:
             lambda: _all_given_back(pool, 2), 30, "both idle slots to be given back"
         )
         assert pool._state == "RUN" and not any(s.is_alive() for s in pool._pool)
-        assert e._claim.n == 0  # the cluster's slot accounting shrank with it
+        assert e._loops.claim.n == 0  # the cluster's slot accounting shrank with it
 
         # queued work: the slots come back, in new slot processes that ran the
         # initializer; results ordered and right
@@ -149,13 +149,13 @@ def test_idle_slots_are_given_back_and_come_back(fiber_ctx, tmp_path) -> None:
         new_pids = {p for _, p in second}
         assert new_pids.isdisjoint({p for _, p in first})
         assert new_pids <= _init_pids(d)
-        assert e._elastic.requested >= 1 and e._claim.n >= 1
+        assert e._elastic.requested >= 1 and e._loops.claim.n >= 1
 
         # apply_async with no slot left must not wait for one forever
         wait_until(lambda: _all_given_back(pool, 3), 30, "the slots to go again")
         assert pool.apply_async(work, (1000,)).get(timeout=30)[0] == 1000**2
         # nothing was a worker loss, nothing ran twice
-        assert e._loop_failures == 0 and e._losses == []
+        assert e._loops.failures == 0 and e._losses == []
         assert set(_runs(d).values()) == {1}
         assert len(_runs(d)) == 20 + 30 + 1
     finally:
@@ -251,7 +251,7 @@ PROBE = textwrap.dedent(
         out["workers_after_second"] = workers()
         out["requested"] = pool._engine._elastic.requested
         out["moved"] = pool._engine._elastic.moved
-        out["loop_failures"] = pool._engine._loop_failures
+        out["loop_failures"] = pool._engine._loops.failures
         pool.close()
         pool.join()
         fiber_dask.shutdown()
@@ -424,7 +424,7 @@ def test_kubernetes_worker_group_follows_an_open_pool(kube) -> None:
                 e = pool._engine._elastic
                 print("elastic:", e.given_back, e.requested, e.moved, names)
                 assert len(names) == 2 and workers() == 2, names
-                assert pool._engine._loop_failures == 0
+                assert pool._engine._loops.failures == 0
         finally:
             fiber_dask.shutdown()
     wait_until(

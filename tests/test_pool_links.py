@@ -544,7 +544,7 @@ def test_loops_that_leave_do_not_take_the_link_from_the_others(threads_client):
         seen = pool.map(where, range(600), chunksize=1)
         assert [x for x, _, _ in seen] == list(range(600))
         # every loop ended after 5 chunks, while the others went on
-        assert next(pool._engine._loop_numbers) >= 600 // 5
+        assert next(pool._engine._loops.numbers) >= 600 // 5
         assert _owner_connections(pool) <= 2
 
 
@@ -562,7 +562,7 @@ def test_idle_thread_slots_are_given_back_and_the_link_with_them(threads_client)
         # Work again: slots come back over new links.
         assert pool.map(abs, range(-40, 0), chunksize=1) == list(range(40, 0, -1))
         assert 1 <= _owner_connections(pool) <= 2
-        assert e._losses == [] and e._loop_failures == 0
+        assert e._losses == [] and e._loops.failures == 0
 
 
 OWNER_SCRIPT = textwrap.dedent(

@@ -48,11 +48,12 @@ policy looks once a second (two scheduler calls) for loops that surely wait
 behind this pool's own loops and resubmits them, which puts them on a worker
 with a free thread.
 
-The engine calls :meth:`Elastic.tick` on every turn of its result thread,
-:meth:`Elastic.loop_ended` before it would replace an ended loop, and
+The pool's loops (:meth:`fiber_dask.engine.poolloops.Loops.maintain`, on
+every turn of the engine's result thread) call :meth:`Elastic.tick` and, before
+they would replace an ended loop, :meth:`Elastic.loop_ended`; the engine calls
 :meth:`Elastic.wanted` when a chunk found no loop with room.  All three run
 under the engine's lock or on its result thread; this module only reads and
-changes the engine's state through them.
+changes the engine's state (and its loops', ``engine._loops``) through them.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class Elastic:
         thread if some slot positions are free, so it asks for them now rather
         than at its next timeout."""
         e = self.engine
-        if len(e._position) < e.processes:
+        if len(e._loops.position) < e.processes:
             e._wake()
 
     def tick(self) -> None:
@@ -196,10 +197,11 @@ class Elastic:
         peer.retiring = True
         e._file(peer)
         e.signal([peer], STOP)  # already gone: the result thread sees it
-        if peer.loop in e._position:
+        if peer.loop in e._loops.position:
             self.stopping.add(peer.loop)
-            if e._claim is not None:
-                e._claim.resize(e._claim.n - 1)
+            claim = e._loops.claim
+            if claim is not None:
+                claim.resize(claim.n - 1)
         self.given_back += 1
         logger.info(
             "fiber-dask: a pool slot (%s, pid %s) was idle for %gs "
@@ -213,14 +215,15 @@ class Elastic:
         """Work waits: start loops at the free slot positions, one per waiting
         chunk, up to the pool's size."""
         e = self.engine
-        taken = set(e._position.values())
+        taken = set(e._loops.position.values())
         free = [p for p in range(e.processes) if p not in taken]
         if not free:
             return
         want = min(len(free), self._demand(len(free)))
-        e._submit_loops(free[:want])  # one graph update for all of them
-        if e._claim is not None:
-            e._claim.resize(e._claim.n + want)
+        loops = e._loops
+        loops.submit(free[:want])  # one graph update for all of them
+        if loops.claim is not None:
+            loops.claim.resize(loops.claim.n + want)
         self.requested += want
         logger.info(
             "fiber-dask: the pool has queued work; asking for %d slot(s) again", want
@@ -246,13 +249,14 @@ class Elastic:
         least busy worker.
         """
         e = self.engine
+        loops = e._loops
         with e._lock:
             if e.state not in ("RUN", "CLOSE") or e._stop_sent is not None:
                 return
             waiting = {
                 fut.key: n
-                for n, fut in e._loops.items()
-                if n not in e._connected and fut.status == "pending"
+                for n, fut in loops.futures.items()
+                if n not in loops.connected and fut.status == "pending"
             }
             if not waiting:
                 return
@@ -281,12 +285,12 @@ class Elastic:
                 return
             positions = []
             for n in stuck[:free]:
-                if n in e._connected or n not in e._loops:
+                if n in loops.connected or n not in loops.futures:
                     continue
-                fut = e._loops.pop(n)
-                positions.append(e._position.pop(n))
+                fut = loops.futures.pop(n)
+                positions.append(loops.position.pop(n))
                 fut.release()
-            e._submit_loops(positions)
+            loops.submit(positions)
             self.moved += len(positions)
         if stuck:
             logger.info(

@@ -1,12 +1,18 @@
-"""The Pool's engine: one dispatcher per pool that owns its jobs and loops.
+"""The Pool's engine: one dispatcher per pool that sends chunks and settles results.
 
-:class:`PoolEngine` holds all the state a pool needs to run work: the jobs
-waiting for chunks, the connected pool-worker loops (:class:`_Peer`), the Dask
-futures of the loops, and the result thread — the one thread that reads every
-loop's connection, settles results, replaces loops that ended and re-runs what
-a lost worker held (loky's executor manager thread is the model).
-``pool.Pool`` holds one and adds the stdlib API on top; see ``pool`` for the
-picture of how a call travels.  Messages are :mod:`fiber_dask.engine.poolprotocol`'s.
+:class:`PoolEngine` holds the state a pool needs to run work: the jobs waiting
+for chunks, the connected pool-worker loops (:class:`_Peer`, each over a
+:class:`_Link`) and what each holds, and the result thread — the one thread
+that reads every loop's connection, settles results and re-runs what a lost
+worker held (loky's executor manager thread is the model).  The loops
+themselves, as Dask tasks (the slots claimed, the tasks submitted, one
+replaced when it ends, all released), are
+:class:`fiber_dask.engine.poolloops.Loops`'s: the engine holds one
+(``_loops``), tells it which loop attached, and lets it maintain the loops on
+every turn of the result thread (its docstring draws how the two meet).
+``pool.Pool`` holds an engine and adds the stdlib API on top; see ``pool`` for
+the picture of how a call travels.  Messages are
+:mod:`fiber_dask.engine.poolprotocol`'s.
 
 Its public surface: :meth:`start`, :meth:`submit`, :meth:`close`,
 :meth:`terminate`, :meth:`join`, :meth:`abandon`, :meth:`slots`, ``state``,
@@ -51,40 +57,38 @@ import threading
 import time
 import uuid
 import weakref
+from multiprocessing.pool import CLOSE, INIT, RUN, TERMINATE  # the stdlib Pool's
 from typing import Any
 
 import cloudpickle
 
 from .. import cluster, config
 from ..comm import channel, security
-from ..errors import ClusterConnectionError, PoolTerminatedError, WorkerLostError
+from ..errors import PoolTerminatedError, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats
 from .poolelastic import Elastic
+from .poolloops import TERMINATE_GRACE, Loops
 from .poolresults import MapResult, measured_chunksize
-from .poolwait import Waiting
-from .slottask import run_pool_worker
 
 __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
 
 logger = logging.getLogger("fiber_dask.pool")
-
-INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 
 _MAX_DEPTH = 64
 #: Idle loops a dispatch pass fills before it sends them their first chunks
 #: (see ``_dispatch``); fewer loops than this get one ``Calls`` each per pass.
 _START_GROUP = 64
 _FUNC_CACHE = 256  # the owner's pickled functions (each loop: poolprotocol's bound)
-_TERMINATE_GRACE = 1.0  # seconds a running task gets to stop after terminate()
 _SETTLE = 0.5  # seconds a hung-up loop's Dask task gets to be reported finished
 #: Seconds PoolSlot.pid waits for a slot's process that is starting.
 _PID_WAIT = 30.0
 _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
 #: Seconds terminate() + join() (and interpreter exit) wait for the loops to
-#: hang up and their Dask tasks to end; longer than _TERMINATE_GRACE, after
-#: which a stuck task's worker process is ended on clusters fiber-dask started.
-_TERMINATE_WAIT = _TERMINATE_GRACE + 3.0
+#: hang up and their Dask tasks to end; longer than poolloops.TERMINATE_GRACE,
+#: after which a stuck task's worker process is ended on clusters fiber-dask
+#: started.
+_TERMINATE_WAIT = TERMINATE_GRACE + 3.0
 #: Seconds all pools together get to stop at interpreter exit.
 _EXIT_WAIT = 3.0
 
@@ -242,10 +246,7 @@ class PoolSlot:
         engine = self._engine
         if engine.state not in (RUN, CLOSE):
             return False
-        return any(
-            pos == self._position and n not in engine._connected
-            for n, pos in list(engine._position.items())
-        )
+        return engine._loops.starting_at(self._position)
 
     @property
     def pid(self) -> int | None:
@@ -360,25 +361,16 @@ class PoolEngine:
         self._calls_sent = 0  # Calls messages sent (chunks go several to one)
         self._fids: collections.OrderedDict = collections.OrderedDict()
         self._fid_counter = itertools.count()
-        self._loops: dict[int, Any] = {}  # loop number -> its Dask future
-        self._position: dict[int, int] = {}  # loop number -> slot position
-        self._connected: set[int] = set()  # loop numbers that ever connected
-        self._recycled: set[int] = set()  # loops that said maxtasksperchild ended them
-        self._loop_done: collections.deque = collections.deque()
-        self._loop_failures = 0
         self._losses: list[float] = []  # times of losses since a chunk last finished
         self._stop_sent: float | None = None
         self._terminated_at: float | None = None
         self._quiet_since = time.monotonic()  # when the last peer hung up
-        self._no_peers_since = time.monotonic()
-        self._warned_waiting = False
         self._released = False
-        self._claim: cluster.SlotClaim | None = None
         self._thread: threading.Thread | None = None
         #: Gives idle slots back and asks for them again (fiber.pool.idle-timeout).
         self._elastic = Elastic.for_engine(self)
-        #: Says who holds the slots when work waits with no loop running.
-        self._waiting = Waiting(self, _live)
+        #: The loops as Dask tasks: claimed, submitted, replaced, released.
+        self._loops = Loops(self, _live)
 
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
@@ -396,9 +388,8 @@ class PoolEngine:
         self._incoming_closed = False
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._loop_numbers = itertools.count()
         #: Counts for the dashboard (fiber_dask.engine.poolstats), kept under _lock.
-        self._stats = poolstats.PoolCounters(self._position)
+        self._stats = poolstats.PoolCounters(self._loops.position)
 
     # ------------------------------------------------------------ public API
 
@@ -413,7 +404,7 @@ class PoolEngine:
         )
         try:
             # Refuses, at once, a pool the cluster can never start.
-            self._claim = cluster.claim_slots(self._handle, self.processes)
+            self._loops.claim_slots()
         except BaseException:
             self.state = TERMINATE
             self._release()
@@ -421,7 +412,7 @@ class PoolEngine:
         self.state = RUN
         _live.add(self)
         try:
-            self._submit_loops(range(self.processes))
+            self._loops.submit(range(self.processes))
         except BaseException:
             self.state = TERMINATE
             self._release()
@@ -489,8 +480,8 @@ class PoolEngine:
             jobs = list(self._cache)
             self._cache.clear()
             self.signal(self._peers.values(), proto.TERMINATE)
-        self._release_claim()
-        self._release_loops(only_unconnected=True)
+        self._loops.release_claim()
+        self._loops.release(only_unconnected=True)
         err = PoolTerminatedError(
             "the pool was terminated before this result was computed"
         )
@@ -803,11 +794,10 @@ class PoolEngine:
             peer = self._peers[(link, n)] = link.peers[n] = _Peer(link, n, hello)
             if late:
                 link.send([(n, proto.STOP)])
-            if n in self._position:
-                self._peer_at[self._position[n]] = peer
-                self._connected.add(n)
+            position = self._loops.attached(n)
+            if position is not None:
+                self._peer_at[position] = peer
             self._file(peer)
-            self._loop_failures = 0
             self._dispatch()
 
     def _run(self) -> None:
@@ -883,7 +873,8 @@ class PoolEngine:
             self._peer_lost(peer)
         for link in dropped:
             self._link_lost(link)
-        self._maintain()
+        self._take_connections()
+        self._loops.maintain()
         return True
 
     def _should_continue(self) -> bool:
@@ -897,19 +888,19 @@ class PoolEngine:
             # All hung up: give their Dask tasks a moment to be reported
             # finished (so a cluster closed next cuts no running task), but
             # not for a loop Dask re-runs elsewhere after its worker died.
-            return self._loops_running() and now - self._quiet_since < _SETTLE
+            return self._loops.running() and now - self._quiet_since < _SETTLE
         if self.state == CLOSE and not self._cache:
             if self._stop_sent is None:
                 self._stop_sent = time.monotonic()
                 self.signal(self._peers.values(), proto.STOP)
                 if self._init_blob is None:
-                    self._release_loops(only_unconnected=True)
+                    self._loops.release(only_unconnected=True)
             if time.monotonic() - self._stop_sent > _STOP_GRACE:
                 return False
             now = time.monotonic()
-            if self._peers or (self._init_blob is not None and self._loops_starting()):
+            if self._peers or (self._init_blob is not None and self._loops.starting()):
                 self._quiet_since = now
-            elif not self._loops_running() or now - self._quiet_since > _SETTLE:
+            elif not self._loops.running() or now - self._quiet_since > _SETTLE:
                 return False
         return True
 
@@ -935,7 +926,7 @@ class PoolEngine:
                         settle.append((chunk, result))
                     if result.last:
                         peer.retiring = True
-                        self._recycled.add(peer.loop)
+                        self._loops.recycled.add(peer.loop)
                 self._file(peer)
             if settle:
                 self._losses.clear()  # the pool makes progress
@@ -1085,181 +1076,7 @@ class PoolEngine:
         for job in jobs:
             job._fail(exc)
 
-    # -------------------------------------------------------------- the loops
-
-    def _submit_loops(self, positions: Any) -> None:
-        """Submit one loop task per slot position, all in one ``client.map``.
-
-        One graph update for all of them: the scheduler handles a submit in
-        about as long as a map of many (an ``update-graph`` each), so a
-        1024-slot pool submitted task by task had its last loops reach the
-        scheduler tens of seconds after the first (issue 15).
-        """
-        positions = list(positions)
-        if not positions:
-            return
-        numbers = [next(self._loop_numbers) for _ in positions]
-        loop = functools.partial(
-            run_pool_worker,
-            self._server.address,
-            self._server.authkey,
-            self._service,
-        )
-        k = len(numbers)
-        futs = self._client.map(
-            loop,
-            numbers,
-            [self._init_blob] * k,
-            [self._maxtasks] * k,
-            # Thread slots: on a cluster we started, a task that ignores
-            # terminate() for _TERMINATE_GRACE ends its worker process (the
-            # nanny starts another).  Slot processes end only themselves
-            # (fiber_dask.engine.slots.TERMINATE_GRACE), on any cluster.
-            [_TERMINATE_GRACE if self._handle.owned else None] * k,
-            [self._slot_kind] * k,  # process | thread (fiber_dask.engine.slots)
-            # Keyed so the scheduler can tell whose slots these are (poolstats).
-            key=[poolstats.loop_key(self._token, n) for n in numbers],
-            pure=False,
-            resources=self._resources,
-        )
-        ref = weakref.ref(self)
-        for n, position, fut in zip(numbers, positions, futs, strict=True):
-            self._loops[n] = fut
-            self._position[n] = position
-            _watch(self._client, fut, ref, n)
-
-    def _maintain(self) -> None:
-        """Replace loops that ended while work remains; fail if none can start."""
-        self._take_connections()
-        replace: list[int] = []  # slot positions, submitted together below
-        while self._loop_done:
-            if self._client.status == "connecting" and self.state != TERMINATE:
-                break  # the client is reconnecting: replace the loops after that
-            n = self._loop_done.popleft()
-            fut = self._loops.pop(n, None)
-            position = self._position.pop(n, None)
-            recycled = n in self._recycled
-            self._recycled.discard(n)
-            if fut is None or position is None:
-                continue
-            if self._elastic is not None and self._elastic.loop_ended(n):
-                continue  # given back while idle: not a loss, not replaced
-            if self.state == TERMINATE or self._stop_sent is not None or self.broken:
-                continue
-            if self._client.status != "running":
-                self._break(self._lost_scheduler())
-                continue
-            reason = proto.Reason.RECYCLED if recycled else self._reason(fut, n)
-            if reason == proto.Reason.INIT_FAILED:
-                continue
-            if reason not in proto.Reason.NORMAL:
-                self._loop_failures += 1
-                logger.info(
-                    "fiber-dask: pool loop ended (%s); starting another", reason
-                )
-            if self._loop_failures > 3 + 2 * self.processes:
-                self._break(
-                    WorkerLostError(
-                        f"pool-worker loops keep failing before they connect (last: "
-                        f"{reason}). Check that the workers can import fiber_dask and "
-                        f"reach {self._server.address[0]}:{self._server.address[1]} "
-                        "(fiber.listen-host)."
-                    )
-                )
-                continue
-            replace.append(position)
-        if replace and not self.broken:
-            try:
-                self._submit_loops(replace)
-            except Exception as e:
-                self._break(self._lost_scheduler(e))
-        if self._elastic is not None:
-            self._elastic.tick()
-        if self._peers or not self._cache:
-            self._no_peers_since = time.monotonic()
-            self._warned_waiting = False
-            self._waiting.reset()
-            return
-        waited = time.monotonic() - self._no_peers_since
-        if self._client.status not in ("running", "connecting"):
-            self._break(self._lost_scheduler())
-            return
-        # Within seconds: are the slots all held, by whom (poolwait; it looks
-        # off this thread and says so once per wait).
-        self._waiting.tick(waited)
-        if not self._warned_waiting and not self._waiting.warned and waited > 60:
-            self._warned_waiting = True
-            logger.warning(
-                "fiber-dask: a pool has had work waiting for 60 s but no pool worker is "
-                "running; the cluster at %s may have no free task slots or workers.",
-                self._address,
-            )
-
-    def _reason(self, fut: Any, n: int) -> str:
-        """Why a loop's task ended.  Only asked of loops that never connected
-        (those that did told us over the channel), with a short timeout."""
-        if fut.status == "finished":
-            if n in self._connected:
-                return proto.Reason.TERMINATED
-            try:
-                return fut.result(timeout=2)
-            except Exception as e:
-                return repr(e)
-        if fut.status == "error":
-            try:
-                return repr(fut.exception(timeout=2))
-            except Exception as e:
-                return repr(e)
-        return fut.status
-
-    def _lost_scheduler(self, cause: BaseException | None = None) -> Exception:
-        timeout = config.timedelta("connect-timeout")
-        return ClusterConnectionError(
-            f"the pool lost its Dask scheduler at {self._address} (client "
-            f"{self._client.status}; it gave up reconnecting within "
-            f"fiber.connect-timeout={timeout:g}s){': ' + repr(cause) if cause else ''}"
-            ". Work still running on connected workers completes; new work needs "
-            "the scheduler back: restart it and create a new Pool."
-        )
-
-    def _release_loops(self, only_unconnected: bool = False) -> None:
-        """Let Dask forget loop tasks (non-blocking: a released future sends
-        its release from the client's event loop).  A connected loop ends by
-        itself on STOP/TERMINATE; releasing one that never connected keeps it
-        from starting."""
-        for n, fut in list(self._loops.items()):
-            if only_unconnected and n in self._connected:
-                continue
-            try:
-                fut.release()
-            except Exception:  # the client may be closing at exit
-                pass
-
-    def _loops_running(self) -> bool:
-        """A connected loop's Dask task has not ended yet (after it hung up,
-        a moment before the worker reports it finished)."""
-        if self._client.status != "running":
-            return False
-        return any(
-            f.status == "pending"
-            for n, f in list(self._loops.items())
-            if n in self._connected
-        )
-
-    def _loops_starting(self) -> bool:
-        """A loop's Dask task is pending and has not connected yet."""
-        if self._client.status != "running":
-            return False
-        return any(
-            f.status == "pending"
-            for n, f in list(self._loops.items())
-            if n not in self._connected
-        )
-
-    def _release_claim(self) -> None:
-        claim, self._claim = self._claim, None
-        if claim is not None:
-            claim.release()
+    # ------------------------------------------------------------- release
 
     def _release(self) -> None:
         """Give back what this pool holds: its service, slots, loops, sockets."""
@@ -1280,8 +1097,8 @@ class PoolEngine:
         self._server.unregister(self._service)
         for conn in conns:
             channel.hangup(conn)
-        self._release_claim()
-        self._release_loops()
+        self._loops.release_claim()
+        self._loops.release()
         self._sel.close()
         for s in (self._wake_r, self._wake_w):
             s.close()
@@ -1293,31 +1110,6 @@ def _chunks_to_come(job) -> int:
     if not isinstance(job, MapResult):
         return 0
     return job._chunks_to_come()
-
-
-def _watch(client: Any, fut: Any, ref: Any, n: int) -> None:
-    """Tell the engine when a loop's task ends, from the client's event loop.
-
-    Not ``Future.add_done_callback``: that hands the callback to a thread pool,
-    which refuses work once the interpreter is shutting down (and printed a
-    traceback per loop at exit).
-    """
-
-    async def watch() -> None:
-        try:
-            while fut.status == "pending":
-                await fut._state.wait()
-        except Exception:
-            return
-        engine = ref()
-        if engine is not None:
-            engine._loop_done.append(n)
-            engine._wake()
-
-    try:
-        client.loop.add_callback(watch)
-    except Exception:  # pragma: no cover - a client closing under us
-        pass
 
 
 def _on_connect(ref, conn, hello) -> None:
@@ -1348,7 +1140,7 @@ def _stop_all_at_exit() -> None:
         if thread is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
     while time.monotonic() < deadline and any(
-        e._loops_running() for e in engines if e._client.status == "running"
+        e._loops.running() for e in engines if e._client.status == "running"
     ):
         time.sleep(0.01)
     for engine in engines:

@@ -354,7 +354,8 @@ class Waiting:
         self._dirty = True
         self._due = waited + HELD_AFTER  # the next look, if this one says nothing
         with e._lock:
-            keys = [f.key for n, f in e._loops.items() if n not in e._connected]
+            loops = e._loops
+            keys = [f.key for n, f in loops.futures.items() if n not in loops.connected]
             items = poolstats._queued(e)
         own = {}
         for other in list(self._live):

@@ -1,6 +1,6 @@
 """The Dask task that holds a pool slot: :func:`run_pool_worker`.
 
-The pool's owner submits one per slot (:meth:`fiber_dask.engine.poolengine.PoolEngine._submit_loops`).
+The pool's owner submits one per slot (:meth:`fiber_dask.engine.poolloops.Loops.submit`).
 With ``fiber.pool.slots: process`` (the default) the task is a *keeper* of a
 slot process that runs the loop (:func:`fiber_dask.engine.slots.keep`); with
 ``thread`` the task's own thread runs it (:func:`fiber_dask.engine.poolworker.serve_slot`).
