@@ -9,13 +9,14 @@ How a Process runs::
       on the channel server
       client.submit(run_launcher) ───► run_launcher (one Dask task,
                                          seceded from the thread pool)
-      _on_connect ◄── connect, HMAC ──── channel.connect
-      ── ("payload", blob) ────────────► Popen(python -c
+      _on_connect ◄── connect, HMAC, ─── channel.connect
+                      Hello
+      ── Payload(blob) ────────────────► Popen(python -c
                                            processchild.BOOT) ────────► child: reads the
-      ◄── ("started", pid) ─────────────                                  payload on stdin,
-      ◄── ("out"|"err", bytes) ───────── pumps the child's stdout/err ◄── runs
-      ── ("signal", signum) ───────────► os.kill(child)                   BaseProcess._bootstrap
-      ◄── ("exit", returncode) ───────── child.wait()
+      ◄── Started(pid) ─────────────────                                  payload on stdin,
+      ◄── Output(fd, bytes) ──────────── pumps the child's stdout/err ◄── runs
+      ── Signal(signum) ───────────────► os.kill(child)                   BaseProcess._bootstrap
+      ◄── Exit(returncode) ──────────── child.wait()
 
 * The payload (the Process object's state, cloudpickled: target or an
   overridden ``run``, args, kwargs, name, daemon, authkey, parent pid/name)
@@ -37,7 +38,8 @@ How a Process runs::
 The launcher secedes from the worker's thread pool once the child runs, so a
 running Process does not hold a task slot (as stdlib processes oversubscribe
 the CPUs); ``resources=`` stay reserved until it ends.  This module is the
-parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launch.launcher`.
+parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launch.launcher`;
+the messages between the two are :mod:`fiber_dask.launch.launchprotocol`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from typing import Any
 from . import cluster
 from .comm import channel, security
 from .launch import launcher
+from .launch import launchprotocol as proto
 from .launch.mainglobals import dumps_for_child, main_path
 from .transparency import privaterandom
 
@@ -255,7 +258,7 @@ class _Launch:
         self._done = threading.Event()
         self._conn: Any = None
         self._claimed = False
-        self._decoders: dict[str, Any] = {}
+        self._decoders: dict[int, Any] = {}
         r, w = os.pipe()
         self.sentinel = r
         # Open fds, closed exactly once each (a double close could hit an fd
@@ -334,7 +337,7 @@ class _Launch:
             return
         with self._send_lock:
             try:
-                conn.send_bytes(pickle.dumps(("signal", int(signum))))
+                conn.send_bytes(proto.encode(proto.Signal(int(signum))))
             except OSError:
                 pass  # the reader notices the lost connection
 
@@ -356,12 +359,12 @@ class _Launch:
             if self._future is not None and self._future.status == "pending":
                 # Launched beside tasks: the queued task is not needed.
                 _cancel_quietly(self._client, self._future)
-            hello = hello or {}
-            self.worker = hello.get("worker")
-            self.worker_pid = hello.get("pid")
+            hello = proto.Hello.from_wire(hello)
+            self.worker = hello.worker
+            self.worker_pid = hello.pid
             payload, self._payload = self._payload, None
             try:
-                conn.send_bytes(pickle.dumps(("payload", payload), protocol=5))
+                conn.send_bytes(proto.encode(proto.Payload(payload)))
             except OSError:
                 pass  # the read loop below sees the connection is gone
         self._read_loop(conn)
@@ -369,34 +372,45 @@ class _Launch:
     def _read_loop(self, conn: Any) -> None:
         try:
             while True:
-                msg = pickle.loads(conn.recv_bytes())
-                kind = msg[0]
-                if kind in ("out", "err"):
-                    self._write(kind, msg[1])
-                elif kind == "started":
-                    self.pid = msg[1]
+                msg = proto.decode(conn.recv_bytes())
+                kind = type(msg)
+                if kind is proto.Output:
+                    self._write(msg.fd, msg.data)
+                elif kind is proto.Started:
+                    self.pid = msg.pid
                     self._started.set()
-                elif kind == "exit":
-                    self._finish(msg[1], None)
+                elif kind is proto.Exit:
+                    self._finish(msg.returncode, None)
                     return
-                elif kind == "error":
-                    self._finish(1, msg[1])
+                elif kind is proto.StartFailed:
+                    self._finish(1, msg.why)
                     return
-        except (EOFError, OSError, pickle.UnpicklingError):
-            where = f" on {self.worker}" if self.worker else ""
-            pid = f" (pid {self.worker_pid})" if self.worker_pid else ""
+        except (EOFError, OSError):
             self._finish(
                 -signal.SIGKILL,
                 f"lost the connection to the launcher of process {self.name!r}"
-                f"{where}{pid}: the Dask worker hosting it died or became "
+                f"{self._where()}: the Dask worker hosting it died or became "
                 "unreachable, and the process was killed with it",
+            )
+        except proto.ProtocolError as e:
+            # Hanging up makes the launcher kill the child, as if we had died.
+            self._finish(
+                -signal.SIGKILL,
+                f"the launcher of process {self.name!r}{self._where()} sent what "
+                f"this process cannot read, and the process was killed: {e}",
             )
         finally:
             channel.hangup(conn)
             self._release()
 
-    def _write(self, kind: str, data: bytes) -> None:
-        stream = sys.stdout if kind == "out" else sys.stderr
+    def _where(self) -> str:
+        where = f" on {self.worker}" if self.worker else ""
+        return where + (f" (pid {self.worker_pid})" if self.worker_pid else "")
+
+    def _write(self, fd: int, data: bytes) -> None:
+        """Relay the child's output to ours (fd 1: ``sys.stdout``, else
+        ``sys.stderr``), in bytes where the stream takes them."""
+        stream = sys.stdout if fd == 1 else sys.stderr
         if stream is None:
             return
         try:
@@ -406,10 +420,10 @@ class _Launch:
                 buffer.write(data)
                 buffer.flush()
             else:
-                decoder = self._decoders.get(kind)
+                decoder = self._decoders.get(fd)
                 if decoder is None:
                     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                    self._decoders[kind] = decoder
+                    self._decoders[fd] = decoder
                 stream.write(decoder.decode(data))
                 stream.flush()
         except Exception:  # a closed or odd stream must not kill the reader
@@ -514,8 +528,8 @@ class _Launch:
             result = None
         why = "its launcher task ended without starting it"
         if (
-            isinstance(result, launcher.LaunchResult)
-            and result.outcome is launcher.Outcome.UNREACHABLE
+            isinstance(result, proto.LaunchResult)
+            and result.outcome is proto.Outcome.UNREACHABLE
         ):
             why = (
                 "its launcher could not connect back to this process from its "
