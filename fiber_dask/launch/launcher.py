@@ -1,6 +1,6 @@
 """The worker side of a fiber-dask ``Process``: the launcher.
 
-A ``Process`` (:mod:`fiber_dask.process`, the parent's side) submits
+A ``Process``'s parent (:mod:`fiber_dask.launch.popen`) submits
 :func:`run_launcher` as one Dask task; it runs in a Dask worker process,
 connects back to the parent over the authenticated channel, starts the child
 (``python -c`` :data:`fiber_dask.launch.processchild.BOOT`) and relays for it,

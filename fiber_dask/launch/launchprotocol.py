@@ -1,7 +1,7 @@
 """The launch protocol: every message between a Process's parent and its launcher.
 
 Both ends import this module to speak to each other, so they cannot disagree
-about a message's shape: the parent's half is :mod:`fiber_dask.process`,
+about a message's shape: the parent's half is :mod:`fiber_dask.launch.popen`,
 the launcher's (the Dask task beside the child, on the worker host) is
 :mod:`fiber_dask.launch.launcher`.  :mod:`fiber_dask.engine.poolprotocol` is
 the model, for the Pool.
