@@ -1,58 +1,29 @@
 """``Process``: ``multiprocessing.Process`` as a real OS process on a Dask worker host.
 
-How a Process runs::
+This module is the stdlib's face of a process, as CPython's ``process.py`` is:
+``Process`` (``start``, ``join``, ``terminate``, ``kill``, ``exitcode``,
+``sentinel``, ``pid``, ...), ``current_process``, ``parent_process``,
+``active_children`` and what happens to children at exit.  How a started
+Process actually runs is its ``Popen``, as CPython's ``popen_*.py`` modules
+are: :mod:`fiber_dask.launch.popen` submits a launcher task to Dask, which
+starts the child on the task's worker host (:mod:`fiber_dask.launch.launcher`)
+and relays its output, the parent's signals and its exit status.
 
-    parent (this process)              Dask worker process             worker host
-    ─────────────────────              ───────────────────             ───────────
-    start():
-      register service process-<id>
-      on the channel server
-      client.submit(run_launcher) ───► run_launcher (one Dask task,
-                                         seceded from the thread pool)
-      _on_connect ◄── connect, HMAC ──── channel.connect
-      ── ("payload", blob) ────────────► Popen(python -c
-                                           processchild.BOOT) ────────► child: reads the
-      ◄── ("started", pid) ─────────────                                  payload on stdin,
-      ◄── ("out"|"err", bytes) ───────── pumps the child's stdout/err ◄── runs
-      ── ("signal", signum) ───────────► os.kill(child)                   BaseProcess._bootstrap
-      ◄── ("exit", returncode) ───────── child.wait()
-
-* The payload (the Process object's state, cloudpickled: target or an
-  overridden ``run``, args, kwargs, name, daemon, authkey, parent pid/name)
-  travels over the authenticated channel and the child's stdin, never on a
-  command line or through the scheduler.
-* Dask re-runs a task whose worker died; the service accepts only the first
-  launcher, so a Process is never started twice.
-* The child dies with its launcher: it watches its stdin (EOF = the launcher's
-  worker process is gone) and asks the kernel for ``SIGKILL`` on its parent's
-  death (``PR_SET_PDEATHSIG``).  When the parent's connection drops (the
-  parent died, on whatever host), the launcher tells the child, whose
-  ``parent_process()`` turns dead (its sentinel ready) at once, and kills it
-  ``launcher.ORPHAN_GRACE`` s later if it has not ended; the parent terminates
-  its daemonic children at exit.
-* A launcher that vanishes before reporting an exit code (its worker was
-  killed, its host lost) ends the Process with ``exitcode == -SIGKILL`` and a
-  human-readable :attr:`Process.reason`.
-
-The launcher secedes from the worker's thread pool once the child runs, so a
-running Process does not hold a task slot (as stdlib processes oversubscribe
-the CPUs); ``resources=`` stay reserved until it ends.  This module is the
-parent's side; the launcher, the worker's side, is :mod:`fiber_dask.launch.launcher`.
+* The Process object's state (target or an overridden ``run``, args, kwargs,
+  name, daemon, authkey) travels over an authenticated connection and the
+  child's stdin, never on a command line or through the scheduler.
+* A Process is never started twice, even when Dask re-runs its task.
+* The child dies with its launcher, and ends soon after its parent dies;
+  a Process whose worker or host is lost ends with ``exitcode == -SIGKILL``
+  and a human-readable :attr:`Process.reason`.
+* A running Process does not hold a Dask task slot (as stdlib processes
+  oversubscribe the CPUs); ``resources=`` stay reserved until it ends.
 """
 
 from __future__ import annotations
 
 import atexit
-import codecs
-import logging
 import os
-import pickle
-import signal
-import sys
-import threading
-import time
-import uuid
-import weakref
 from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
     ORIGINAL_DIR,
     AuthenticationString,
@@ -64,11 +35,7 @@ from multiprocessing.process import (  # noqa: F401 - the stdlib module's names
 )
 from typing import Any
 
-from . import cluster
-from .comm import channel, security
-from .launch import launcher
-from .launch.mainglobals import dumps_for_child, main_path
-from .transparency import privaterandom
+from .launch.popen import Popen
 
 __all__ = [
     "Process",
@@ -77,10 +44,7 @@ __all__ = [
     "active_children",
 ]
 
-logger = logging.getLogger(__name__)
-
 _children: set = set()  # started fiber Processes of this process, not yet reaped
-_SLOT_WAIT = 0.5  # seconds a queued launcher task waits before launching beside tasks
 
 
 def active_children() -> list:
@@ -172,46 +136,33 @@ class Process(BaseProcess):
             "daemonic processes are not allowed to have children"
         )
         _cleanup()
-        # Pickled here, first: an unpicklable target or argument fails in the
-        # caller, as with the stdlib's spawn method.
-        payload = self._payload()
-        handle = cluster.get_handle(
-            client=self._fiber_client, address=self._fiber_address
-        )
-        _require_scheduler(handle.client)
         resources = self._resources
         if resources is None:  # @fiber_dask.meta(...) on the target or run()
             from .meta import resources_of
 
             resources = resources_of(self._target) or resources_of(type(self).run)
-        self._popen = _Launch(self._name, payload, handle, resources)
+        # Popen pickles the state first: an unpicklable target or argument
+        # fails here, before any cluster is contacted, as with spawn.
+        self._popen = Popen(
+            type(self),
+            self._child_state(),
+            resources=resources,
+            client=self._fiber_client,
+            address=self._fiber_address,
+        )
         self._sentinel = self._popen.sentinel
         # Avoid a refcycle if the target holds the process object (bpo-30775).
         del self._target, self._args, self._kwargs
         _children.add(self)
 
-    def _payload(self) -> bytes:
-
+    def _child_state(self) -> dict:
+        """The attributes the child's copy of this object gets: all but the
+        parent's handles on it (the stdlib's spawn pickles the object before
+        it has a ``_popen``; a Dask client stays with its process)."""
         state = dict(self.__dict__)
         for attr in ("_popen", "_fiber_client", "_sentinel"):
             state.pop(attr, None)
-        config = dict(state["_config"])
-        config["authkey"] = bytes(config["authkey"])  # AuthenticationString refuses
-        state["_config"] = config
-        # The multiprocessing logger's level reaches the child, as spawn's
-        # preparation data carries it (log_to_stderr / get_logger().setLevel).
-        from multiprocessing import util
-
-        if util._logger is not None:
-            state["_fiber_log_level"] = util._logger.getEffectiveLevel()
-        state["_fiber_main_path"] = main_path()  # as spawn's preparation data
-        # With the stdlib's reducers for descriptors (see mainglobals); the
-        # authkey first, in a plain pickle: the child must be authenticated as
-        # this process before unpickling them (resource_sharer checks it).
-        inner = dumps_for_child((type(self), state))
-        return pickle.dumps(
-            (config["authkey"], inner), protocol=pickle.HIGHEST_PROTOCOL
-        )
+        return state
 
     @property
     def ident(self) -> int | None:
@@ -238,418 +189,6 @@ class Process(BaseProcess):
         _children.discard(self)
 
 
-class _Launch:
-    """The parent's handle on one launched child: a ``Popen``-like object."""
-
-    def __init__(self, name: str, payload: bytes, handle: Any, resources: Any) -> None:
-        self.name = name
-        self.pid: int | None = None
-        self.returncode: int | None = None
-        self.reason: str | None = None
-        self.worker: str | None = None
-        self.worker_pid: int | None = None
-        self._payload: bytes | None = payload
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._started = threading.Event()
-        self._done = threading.Event()
-        self._conn: Any = None
-        self._claimed = False
-        self._decoders: dict[str, Any] = {}
-        r, w = os.pipe()
-        self.sentinel = r
-        # Open fds, closed exactly once each (a double close could hit an fd
-        # number the process has reused since).
-        self._fds = {"r": r, "w": w}
-        self._fds_finalizer = weakref.finalize(self, _close_fds, self._fds)
-        token = uuid.uuid4().hex
-        self._service = f"process-{token}"
-        self._server = channel.get_server(
-            handle.listen_host, security.authkey(), handle.client
-        )
-        self._server.register(self._service, self._on_connect)
-        self._future: Any = None
-        self._client = handle.client
-        self._started_at = time.monotonic()
-        try:
-            self._future = handle.client.submit(
-                launcher.run_launcher,
-                self._server.address,
-                self._server.authkey,
-                self._service,
-                key=f"fiber-process-{token}",
-                pure=False,
-                resources=resources,
-            )
-        except BaseException:
-            self._server.unregister(self._service)
-            self._fds_finalizer()
-            raise
-        _when_done(handle.client, self._future, self._on_future_done)
-        # A launcher task needs a free slot for a moment; if Pool loops hold
-        # them all, start it beside the tasks of a worker instead.
-        timer = threading.Timer(
-            _SLOT_WAIT, self._launch_without_slot, (handle, resources)
-        )
-        timer.daemon = True
-        timer.start()
-
-    # ---------------------------------------------------------- Popen interface
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._done.wait(timeout)
-        return self.returncode
-
-    def wait_pid(self) -> int | None:
-        self._started.wait()
-        return self.pid
-
-    def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def close(self) -> None:
-        self._fds_finalizer()
-
-    # ---------------------------------------------------------------- internals
-
-    def _signal(self, signum: int) -> None:
-        with self._lock:
-            if self.returncode is not None:
-                return
-            conn = self._conn
-            if conn is None:
-                # No launcher has connected: none ever will (the service goes).
-                self._finish_locked(-signum, "terminated before it started")
-                release = True
-            else:
-                release = False
-        if release:
-            self._release()
-            return
-        with self._send_lock:
-            try:
-                conn.send_bytes(pickle.dumps(("signal", int(signum))))
-            except OSError:
-                pass  # the reader notices the lost connection
-
-    def _on_connect(self, conn: Any, hello: Any) -> None:
-        """A launcher connected (runs in the channel's handshake thread)."""
-        with self._send_lock:
-            with self._lock:
-                if self._claimed or self.returncode is not None:
-                    refuse = True
-                else:
-                    refuse = False
-                    self._claimed = True
-                    self._conn = conn
-            if refuse:
-                # A re-run of the launcher (its first worker died): never start twice.
-                channel.hangup(conn)
-                return
-            self._server.unregister(self._service)
-            if self._future is not None and self._future.status == "pending":
-                # Launched beside tasks: the queued task is not needed.
-                _cancel_quietly(self._client, self._future)
-            hello = hello or {}
-            self.worker = hello.get("worker")
-            self.worker_pid = hello.get("pid")
-            payload, self._payload = self._payload, None
-            try:
-                conn.send_bytes(pickle.dumps(("payload", payload), protocol=5))
-            except OSError:
-                pass  # the read loop below sees the connection is gone
-        self._read_loop(conn)
-
-    def _read_loop(self, conn: Any) -> None:
-        try:
-            while True:
-                msg = pickle.loads(conn.recv_bytes())
-                kind = msg[0]
-                if kind in ("out", "err"):
-                    self._write(kind, msg[1])
-                elif kind == "started":
-                    self.pid = msg[1]
-                    self._started.set()
-                elif kind == "exit":
-                    self._finish(msg[1], None)
-                    return
-                elif kind == "error":
-                    self._finish(1, msg[1])
-                    return
-        except (EOFError, OSError, pickle.UnpicklingError):
-            where = f" on {self.worker}" if self.worker else ""
-            pid = f" (pid {self.worker_pid})" if self.worker_pid else ""
-            self._finish(
-                -signal.SIGKILL,
-                f"lost the connection to the launcher of process {self.name!r}"
-                f"{where}{pid}: the Dask worker hosting it died or became "
-                "unreachable, and the process was killed with it",
-            )
-        finally:
-            channel.hangup(conn)
-            self._release()
-
-    def _write(self, kind: str, data: bytes) -> None:
-        stream = sys.stdout if kind == "out" else sys.stderr
-        if stream is None:
-            return
-        try:
-            buffer = getattr(stream, "buffer", None)
-            if buffer is not None:
-                stream.flush()
-                buffer.write(data)
-                buffer.flush()
-            else:
-                decoder = self._decoders.get(kind)
-                if decoder is None:
-                    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                    self._decoders[kind] = decoder
-                stream.write(decoder.decode(data))
-                stream.flush()
-        except Exception:  # a closed or odd stream must not kill the reader
-            pass
-
-    def _launch_without_slot(self, handle: Any, resources: Any) -> None:
-        """The launcher task is still queued: run a launcher on a worker that
-        has the resources, with ``client.run`` (no slot needed).  The service
-        takes only the first launcher, so the two can never both start it."""
-        if self._claimed or self.returncode is not None:
-            return
-        if getattr(handle.client, "status", "running") != "running":
-            self._watch_scheduler(handle.client)
-            return
-        try:
-            if self._future.status != "pending":
-                return
-            if resources:
-                # Room left, not capacity: a worker whose resources other
-                # tasks or Processes hold must not get this one beside them
-                # (meta(cpu=1) Processes would share a worker's one CPU).
-                free = handle.client.run_on_scheduler(_free_resources)
-            else:
-                free = {
-                    addr: {}
-                    for addr in handle.client.scheduler_info(n_workers=-1)["workers"]
-                }
-            fits = [
-                addr
-                for addr, room in free.items()
-                if all(room.get(k, 0) >= v for k, v in (resources or {}).items())
-            ]
-            if not fits or self._claimed:
-                return  # none fits now: the queued task waits for scaling
-            target = privaterandom.rng.choice(fits)
-            handle.client.run(
-                launcher.launch_beside_tasks,
-                self._server.address,
-                self._server.authkey,
-                self._service,
-                workers=[target],
-            )
-        except Exception:  # the client may be closing: the task path remains
-            logger.debug("fiber-dask: could not launch beside tasks", exc_info=True)
-
-    def _watch_scheduler(self, client: Any) -> None:
-        """The client lost its scheduler before a launcher connected: wait
-        for it to come back until ``fiber.connect-timeout`` after start(),
-        else end the Process saying so (Dask itself would cancel the task
-        only when its own reconnect gives up)."""
-        timeout = _connect_timeout()
-        deadline = self._started_at + timeout
-        while time.monotonic() < deadline:
-            if self._claimed or self.returncode is not None:
-                return
-            if client.status == "running":
-                return
-            time.sleep(0.05)
-        with self._lock:
-            if self._claimed or self.returncode is not None:
-                return
-            self._finish_locked(
-                -signal.SIGKILL,
-                f"process {self.name!r} could not start: "
-                + _lost_scheduler(client, timeout),
-            )
-        self._release()
-
-    def _on_future_done(self, fut: Any) -> None:
-        """The launcher task ended (runs in the client's event loop: no blocking).
-
-        Matters only if no launcher ever connected."""
-        with self._lock:
-            if self._claimed or self.returncode is not None:
-                return
-            status = getattr(fut, "status", "?")
-            if status == "finished":
-                # Its return value says why (e.g. this process was unreachable
-                # from the worker): fetched in a thread, not in the event loop.
-                threading.Thread(
-                    target=self._launcher_ended, args=(fut,), daemon=True
-                ).start()
-                return
-            if status == "error":
-                exc = getattr(getattr(fut, "_state", None), "exception", None)
-                why = f"its launcher task failed: {exc!r}"
-            elif status == "cancelled" and self._client.status != "running":
-                why = _lost_scheduler(self._client, _connect_timeout())
-            elif status == "cancelled":
-                why = "its launcher task was cancelled"
-            else:
-                why = "its launcher task ended without starting it"
-            self._finish_locked(
-                -signal.SIGKILL, f"process {self.name!r} could not start: {why}"
-            )
-        self._server.unregister(self._service)
-
-    def _launcher_ended(self, fut: Any) -> None:
-        try:
-            result = fut.result(timeout=10)
-        except Exception:  # the client may be closing
-            result = None
-        why = "its launcher task ended without starting it"
-        if (
-            isinstance(result, launcher.LaunchResult)
-            and result.outcome is launcher.Outcome.UNREACHABLE
-        ):
-            why = (
-                "its launcher could not connect back to this process from its "
-                f"worker: {result.detail}"
-            )
-        with self._lock:
-            if self._claimed or self.returncode is not None:
-                return
-            self._finish_locked(
-                -signal.SIGKILL, f"process {self.name!r} could not start: {why}"
-            )
-        self._server.unregister(self._service)
-
-    def _finish(self, code: int, reason: str | None) -> None:
-        with self._lock:
-            self._finish_locked(code, reason)
-
-    def _finish_locked(self, code: int, reason: str | None) -> None:
-        if self.returncode is not None:
-            return
-        self.returncode = code
-        self.reason = reason
-        _close_fds(self._fds, "w")  # the sentinel becomes readable
-        self._done.set()
-        self._started.set()
-
-    def _release(self) -> None:
-        """Forget the launcher task: a finished Process is never re-run."""
-        self._server.unregister(self._service)
-        fut, self._future = self._future, None
-        if fut is not None:
-            _cancel_quietly(self._client, fut)
-
-
-def _cancel_quietly(client: Any, fut: Any) -> None:
-    """Cancel ``fut`` without waiting: ``Future.cancel`` waits for the event
-    loop, forever if it has stopped (at exit) or its scheduler is gone."""
-    try:
-        if client.status in ("closing", "closed"):
-            return  # nothing to cancel with: the scheduler forgets it
-        client.loop.add_callback(client._cancel, [fut])
-    except Exception:  # a closed loop: nothing is running the task for us
-        pass
-
-
-def _free_resources(dask_scheduler: Any = None) -> dict[str, dict[str, float]]:
-    """On the scheduler: each worker's resources not held by its tasks."""
-    return {
-        addr: {
-            k: total - ws.used_resources.get(k, 0)
-            for k, total in (ws.resources or {}).items()
-        }
-        for addr, ws in dask_scheduler.workers.items()
-    }
-
-
-def _connect_timeout() -> float:
-    from . import config
-
-    try:
-        return config.timedelta("connect-timeout")
-    except Exception:  # an old or broken config must not break a Process
-        return 10.0
-
-
-def _scheduler_address(client: Any) -> str:
-    try:
-        return client.scheduler.address or "?"
-    except Exception:
-        return str(getattr(client, "_start_arg", None) or "?")
-
-
-def _lost_scheduler(client: Any, timeout: float) -> str:
-    return (
-        f"the Dask scheduler at {_scheduler_address(client)} is unreachable: this "
-        f"process lost its connection to it and did not get it back within "
-        f"fiber.connect-timeout={timeout:g}s (client status {client.status!r}). "
-        "Start the scheduler again (or attach to a running one) and retry."
-    )
-
-
-def _require_scheduler(client: Any) -> None:
-    """Raise :class:`~fiber_dask.errors.ClusterConnectionError` unless
-    ``client`` is connected to its scheduler, or reconnects within
-    ``fiber.connect-timeout``: a Process started after its scheduler was lost
-    fails at once, saying so, instead of ending with an unexplained
-    ``exitcode == -9`` when Dask gives the task up."""
-    status = getattr(client, "status", "running")
-    if status == "running":
-        return
-    timeout = _connect_timeout()
-    deadline = time.monotonic() + timeout
-    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        status = client.status
-    if status == "running":
-        return
-    from .errors import ClusterConnectionError
-
-    raise ClusterConnectionError(
-        "cannot start a fiber-dask Process: " + _lost_scheduler(client, timeout)
-    )
-
-
-def _when_done(client: Any, fut: Any, callback: Any) -> None:
-    """Call ``callback(fut)`` in the client's event loop when ``fut`` is done.
-
-    ``Future.add_done_callback`` runs callbacks on a thread pool that refuses
-    work once the interpreter is exiting, so a Process still pending at exit
-    would log an error; the event loop is still running then.
-    """
-    state = getattr(fut, "_state", None)
-    if state is None or not hasattr(state, "wait"):
-        fut.add_done_callback(callback)
-        return
-
-    async def watch() -> None:
-        while fut.status == "pending":
-            await state.wait()
-        callback(fut)
-
-    client.loop.add_callback(watch)
-
-
-def _close_fds(fds: dict, *which: str) -> None:
-    for name in which or list(fds):
-        fd = fds.pop(name, None)
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 # ----------------------------------------------------------------- at exit
 
 
@@ -666,8 +205,9 @@ def _exit_function() -> None:
     non-daemonic child is waited for, as the stdlib does (its launcher's
     connection ends the wait if its worker or host dies).
 
-    Registered after ``cluster.shutdown`` (imported above), so it runs before
-    the cluster fiber-dask started is closed.
+    Registered after ``cluster.shutdown`` (``launch.popen``, imported above,
+    imports ``cluster``), so it runs before the cluster fiber-dask started is
+    closed.
     """
     children = active_children()
     for p in children:
@@ -685,30 +225,10 @@ def _exit_function() -> None:
                 pass
     for p in active_children():
         try:
-            _wait_at_exit(p._popen)
+            p._popen.wait_at_exit()
         except Exception:  # noqa: BLE001
             pass
     _cleanup()
-
-
-def _wait_at_exit(popen: _Launch) -> None:
-    lost_since = None
-    while popen.wait(0.5) is None:
-        if popen._conn is not None:
-            continue  # running: wait for it, as the stdlib does
-        if popen._client.status == "running":
-            lost_since = None
-            continue
-        now = time.monotonic()
-        lost_since = lost_since or now
-        timeout = _connect_timeout()
-        if now - lost_since > timeout:
-            popen._finish(
-                -signal.SIGKILL,
-                f"process {popen.name!r} never started: "
-                + _lost_scheduler(popen._client, timeout),
-            )
-            return
 
 
 atexit.register(_exit_function)

@@ -1,48 +1,46 @@
 """The worker side of a fiber-dask ``Process``: the launcher.
 
-A ``Process`` (:mod:`fiber_dask.process`, the parent's side) submits
+A ``Process``'s parent (:mod:`fiber_dask.launch.popen`) submits
 :func:`run_launcher` as one Dask task; it runs in a Dask worker process,
 connects back to the parent over the authenticated channel, starts the child
-(``python -c`` :data:`fiber_dask.launch.processchild.BOOT`) and relays for it::
+(``python -c`` :data:`fiber_dask.launch.processchild.BOOT`) and relays for it,
+in the messages of :mod:`fiber_dask.launch.launchprotocol`::
 
     Dask worker process                                 worker host
     ───────────────────                                 ───────────
-    run_launcher ── connect, HMAC ──► parent's channel
-      ◄── ("payload", blob) ────────
+    run_launcher ── connect, HMAC, Hello ──► parent's channel
+      ◄── Payload(blob) ────────────
       Popen(python -c processchild.BOOT) ─────────────► child: reads the
-      ── ("started", pid) ──────────►                     payload on stdin,
-      ── ("out"|"err", bytes) ──────► ◄── pumps ───────── runs
-      ◄── ("signal", signum) ──────── os.kill(child)       BaseProcess._bootstrap
-      ── ("exit", returncode) ──────► child.wait()
+      ── Started(pid) ──────────────►                     payload on stdin,
+      ── Output(fd, bytes) ─────────► ◄── pumps ───────── runs
+      ◄── Signal(signum) ─────────── os.kill(child)       BaseProcess._bootstrap
+      ── Exit(returncode) ──────────► child.wait()
       connection drops ─── PARENT_LOST on stdin ─────────► parent_process() dead;
                            kill after ORPHAN_GRACE s        it may end by itself
 
-It returns a :class:`LaunchResult` saying how it ended; the parent reads it
-only when no launcher ever connected (to say why in ``Process.reason``).  The
-launcher secedes from the worker's thread pool once the child runs, so a
-running Process does not hold a task slot.  Mirrors
-:mod:`fiber_dask.engine.poolworker`, the worker side of a Pool.
+It returns a :class:`~fiber_dask.launch.launchprotocol.LaunchResult` saying
+how it ended; the parent reads it only when no launcher ever connected (to
+say why in ``Process.reason``).  The launcher secedes from the worker's thread
+pool once the child runs, so a running Process does not hold a task slot.
+Mirrors :mod:`fiber_dask.engine.poolworker`, the worker side of a Pool.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import os
-import pickle
 import struct
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from ..comm import channel
+from . import launchprotocol as proto
+from .launchprotocol import LaunchResult, Outcome
 from .processchild import BOOT, PARENT_LOST
 
 __all__ = [
-    "LaunchResult",
-    "Outcome",
     "run_launcher",
     "launch_beside_tasks",
     "child_env",
@@ -52,25 +50,6 @@ _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it 
 # Seconds a child whose parent died gets to notice (its parent_process() is
 # dead at once) and end by itself before the launcher kills it.
 ORPHAN_GRACE = 5.0
-
-
-class Outcome(enum.Enum):
-    """How a launcher ended."""
-
-    EXITED = "exited"  # the child ran and exited; its status went to the parent
-    REFUSED = "refused"  # another launcher already runs this Process, or it ended
-    PARENT_LOST = "parent-lost"  # the parent's connection dropped: child killed
-    UNREACHABLE = "unreachable"  # the parent's address cannot be reached from here
-    FAILED = "failed"  # the child could not be started
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    """A launcher task's result: its :class:`Outcome` and, for
-    ``UNREACHABLE`` and ``FAILED``, what went wrong (for ``Process.reason``)."""
-
-    outcome: Outcome
-    detail: str = ""
 
 
 def run_launcher(
@@ -96,7 +75,7 @@ def run_launcher(
             address,
             authkey,
             service,
-            hello={"pid": os.getpid(), "worker": worker_address},
+            hello=proto.Hello(os.getpid(), worker_address).to_wire(),
         )
     except channel.Unreachable as e:  # the parent's address, from this host
         return LaunchResult(Outcome.UNREACHABLE, str(e))
@@ -106,12 +85,16 @@ def run_launcher(
         return LaunchResult(Outcome.UNREACHABLE, str(e))
     try:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            msg = proto.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return LaunchResult(Outcome.REFUSED)
-        assert kind == "payload"
+        if type(msg) is not proto.Payload:
+            raise proto.ProtocolError(
+                f"fiber-dask launch protocol: the parent's first message is a "
+                f"{type(msg).__name__}, not the Payload"
+            )
         _secede()
-        return _launch(conn, payload, worker_address, scheduler_address, security)
+        return _launch(conn, msg.blob, worker_address, scheduler_address, security)
     finally:
         channel.hangup(conn)
 
@@ -216,10 +199,10 @@ def _launch(
 ) -> LaunchResult:
     send_lock = threading.Lock()
 
-    def send(msg: tuple) -> bool:
+    def send(msg: Any) -> bool:
         with send_lock:
             try:
-                conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                conn.send_bytes(proto.encode(msg))
                 return True
             except OSError:
                 return False
@@ -240,9 +223,9 @@ def _launch(
         )
     except OSError as e:
         why = f"cannot start the child process on {worker_address}: {e}"
-        send(("error", why))
+        send(proto.StartFailed(why))
         return LaunchResult(Outcome.FAILED, why)
-    send(("started", child.pid))
+    send(proto.Started(child.pid))
     try:
         child.stdin.write(struct.pack("!Q", len(payload)) + payload)
         child.stdin.flush()
@@ -253,7 +236,7 @@ def _launch(
     state = {"exited": False, "parent_lost": False}
     reaped = threading.Event()  # child.wait() returned
 
-    def pump(stream: Any, kind: str) -> None:
+    def pump(stream: Any, child_fd: int) -> None:
         fd = stream.fileno()
         while True:
             try:
@@ -262,26 +245,26 @@ def _launch(
                 return
             if not data:
                 return
-            send((kind, data))
+            send(proto.Output(child_fd, data))
 
     def control() -> None:
         while True:
             try:
-                kind, arg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+                msg = proto.decode(conn.recv_bytes())
+            except (EOFError, OSError, ValueError):  # ProtocolError is one
                 if not state["exited"]:
                     state["parent_lost"] = True
                     _orphaned(child, reaped)
                 return
-            if kind == "signal":
+            if type(msg) is proto.Signal:
                 try:
-                    child.send_signal(arg)  # no-op once the child is reaped
+                    child.send_signal(msg.signum)  # no-op once the child is reaped
                 except OSError:
                     pass
 
     pumps = [
-        threading.Thread(target=pump, args=(child.stdout, "out"), daemon=True),
-        threading.Thread(target=pump, args=(child.stderr, "err"), daemon=True),
+        threading.Thread(target=pump, args=(child.stdout, 1), daemon=True),
+        threading.Thread(target=pump, args=(child.stderr, 2), daemon=True),
     ]
     for t in pumps:
         t.start()
@@ -291,7 +274,7 @@ def _launch(
     for t in pumps:  # a grandchild may hold the pipes open: do not wait forever
         t.join(_PIPE_DRAIN)
     state["exited"] = True
-    send(("exit", returncode))
+    send(proto.Exit(returncode))
     for f in (child.stdin, child.stdout, child.stderr):
         try:
             f.close()
