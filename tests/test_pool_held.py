@@ -231,7 +231,7 @@ def test_a_pool_behind_this_processes_busy_pool_says_so_without_warning(
 EMBEDDED = """\
 import logging, sys
 import fiber_dask
-from fiber_dask import poolwait
+from fiber_dask.engine import poolwait
 
 class Held(logging.Handler):
     def emit(self, record):

@@ -616,7 +616,7 @@ EARLY_SCRIPT = textwrap.dedent(
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
     import fiber_dask  # at the top, as `import fiber_dask as multiprocessing`
-    from fiber_dask import slots
+    from fiber_dask.engine import slots
 
     def probe(_=None):
         return os.environ.get(slots.EARLY_ENV)

@@ -158,7 +158,7 @@ def import_distributed():
 
 if order == "dask-first":
     import_distributed()
-from fiber_dask import privaterandom
+from fiber_dask.transparency import privaterandom
 privaterandom.DASK_DRAWERS += ("dask.no_such_module",)
 privaterandom.isolate_dask()
 if order == "fiber-first":

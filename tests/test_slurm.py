@@ -43,7 +43,7 @@ from support.interrupts import terminal_python  # noqa: E402
 from support.wait import wait_for_file, wait_until  # noqa: E402
 
 from fiber_dask import config  # noqa: E402
-from fiber_dask.backends import jobqueue  # noqa: E402
+from fiber_dask.backends import jobqueue, jobwatch  # noqa: E402
 
 # Not pytest.importorskip: a plain import of dask_jobqueue replaces this
 # process's SIGINT handler (its runner module does, at import), which would
@@ -575,10 +575,10 @@ def test_backend_builds_the_dask_jobqueue_cluster_and_job_script(name: str) -> N
         cluster = jobqueue.make_cluster(name)
         try:
             assert isinstance(cluster, getattr(dask_jobqueue, cls_name))
-            assert isinstance(cluster, jobqueue._ReplacesEndedJobs)
+            assert isinstance(cluster, jobwatch.ReplacesEndedJobs)
             script = cluster.job_script()
             assert cluster.worker_spec == {}  # nothing submitted
-            assert jobqueue._slots(cluster) == (2, 2)  # 2 workers x 2 threads a job
+            assert jobwatch.slots(cluster) == (2, 2)  # 2 workers x 2 threads a job
         finally:
             cluster.close()
     for line in lines:
@@ -613,9 +613,10 @@ def test_refused_job_names_the_likely_key_first() -> None:
                 "Command exited with non-zero exit code.\nstderr:\nsbatch: error: "
                 "invalid partition specified: nope\n"
             )
-            words = jobqueue._submit_error(error)
-            message = jobqueue._refused("slurm", cluster, words, 10.0)
-            late = jobqueue._refused("slurm", cluster, "", 10.0)
+            words = jobwatch._submit_error(error)
+            # as the job watcher words it: the batch system its cluster class has
+            message = cluster._fiber_batch.refused(cluster, words, 10.0)
+            late = cluster._fiber_batch.refused(cluster, "", 10.0)
         finally:
             cluster.close()
     assert message.startswith(
@@ -695,7 +696,7 @@ def test_hpc_profile_builds_its_job_script(path: pathlib.Path) -> None:
         cluster = jobqueue.make_cluster(name)
         try:
             script = cluster.job_script()
-            per_job, threads = jobqueue._slots(cluster)
+            per_job, threads = jobwatch.slots(cluster)
             # its scheduler (in this process) shows the pools: the dashboard plugin
             assert "fiber-dask-pools" in cluster.scheduler.plugins
         finally:

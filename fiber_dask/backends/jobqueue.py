@@ -27,10 +27,15 @@ How the ``fiber`` keys apply::
 Worker loss: a job that ends under a running program (``scancel``, walltime,
 a node failure) loses its workers; a Pool re-runs their chunks elsewhere, a
 Process on them ends with ``exitcode -9``.  dask-jobqueue itself submits nothing
-until ``scale()``/``adapt()`` changes the size, so the cluster class here
+until ``scale()``/``adapt()`` changes the size, so the cluster class made here
 replaces such a job: once none of its workers has come back for a short grace
 period and the batch system no longer lists the job as queued or running, the
 job is dropped and a new one submitted under a new name (adaptive or not).
+
+That, waiting for a submission and counting a job's slots take dask-jobqueue's
+private methods: they live in :mod:`fiber_dask.backends.jobwatch`, with the
+list of what they depend on upstream.  This module starts the clusters: the
+batch systems' commands, the settings, the cluster class, the backends.
 
 The cluster is closed at :func:`fiber_dask.shutdown` / exit, which cancels every
 job it submitted.
@@ -38,8 +43,7 @@ job it submitted.
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import functools
 import math
 import subprocess
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ import dask
 
 from .. import config
 from ..errors import ClusterConnectionError
+from . import jobwatch
 from .address import listen_host
 from .base import Backend, ClusterHandle, connect, scheduler_preloads
 
@@ -59,8 +64,6 @@ __all__ = [
     "make_cluster",
     "setting",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def setting(name: str, key: str) -> Any:
@@ -224,135 +227,6 @@ def job_states(name: str, job_ids: list[str], timeout: float = 10.0) -> dict[str
 # ------------------------------------------------------------------- the cluster
 
 
-class _ReplacesEndedJobs:
-    """Mixed in before a dask-jobqueue cluster class: replace jobs that ended.
-
-    dask-jobqueue's ``SpecCluster`` keeps an ended job in its plan until
-    ``scale()`` or ``adapt()`` changes the size, so a fixed-size cluster would
-    shrink for good with every ``scancel`` or walltime.  The scheduler's
-    "worker removed" events arrive here (``_update_worker_status``, in the
-    cluster's event loop); a job none of whose workers is back after
-    :attr:`_fiber_grace` seconds, and that the batch system does not list as
-    alive, is replaced.
-    """
-
-    #: Seconds a job's workers may be away (a nanny restarting its worker).
-    _fiber_grace: ClassVar[float] = 2.0
-    _fiber_backend: ClassVar[str] = ""
-
-    @property
-    def _fiber_failures(self) -> list[str]:
-        """Messages of the submission errors so far, oldest first.  Strings: an
-        exception's traceback would keep the failed Job objects alive."""
-        if "_fiber_failed" not in self.__dict__:
-            self._fiber_failed: list[str] = []
-        return self._fiber_failed
-
-    async def _correct_state_internal(self) -> None:
-        from distributed.core import Status
-
-        try:
-            await super()._correct_state_internal()  # type: ignore[misc]
-        except Exception as e:
-            # A job the batch system refused has no id and never started; mark
-            # it failed, or closing the cluster asserts on its status.
-            for process in self.workers.values():
-                if process.job_id is None and process.status == Status.created:
-                    process.status = Status.failed
-            message = _submit_error(e)
-            self._fiber_failures.append(message)
-            if not self.__dict__.get("_fiber_awaited"):  # else submit() raises it
-                logger.error(
-                    "fiber-dask: the %s batch system refused a worker job: %s",
-                    self._fiber_backend,
-                    _refused(self._fiber_backend, self, message, 0.0),
-                )
-            raise
-
-    def _update_worker_status(self, op: str, msg: Any) -> None:
-        name = None
-        if op == "remove":
-            name = self.scheduler_info["workers"].get(msg, {}).get("name")
-        super()._update_worker_status(op, msg)  # type: ignore[misc]
-        job = self._fiber_job_of(name) if name is not None else None
-        if job is not None:
-            asyncio.get_running_loop().call_later(
-                self._fiber_grace, self._fiber_check_soon, job, 0.0
-            )
-
-    def _fiber_job_of(self, worker_name: Any) -> str | None:
-        for job, spec in self.worker_spec.items():
-            if worker_name == job or any(
-                worker_name == f"{job}{suffix}" for suffix in spec.get("group", ())
-            ):
-                return job
-        return None
-
-    def _fiber_connected(self, job: str) -> bool:
-        workers = list(self.scheduler_info["workers"].values())
-        return any(self._fiber_job_of(w.get("name")) == job for w in workers)
-
-    def _fiber_check_soon(self, job: str, waited: float) -> None:
-        task = asyncio.ensure_future(self._fiber_check(job, waited))
-        self._futures.add(task)
-        task.add_done_callback(self._futures.discard)
-
-    async def _fiber_check(self, job: str, waited: float) -> None:
-        from distributed.core import Status
-
-        waited += self._fiber_grace
-        if self.status != Status.running or job not in self.worker_spec:
-            return  # closing, or scaled down on purpose
-        if self._fiber_connected(job):
-            return  # the nanny restarted its worker
-        process = self.workers.get(job)
-        job_id = getattr(process, "job_id", None)
-        del process  # holding a Job object keeps dask-jobqueue from closing it
-        if job_id is not None:
-            loop = asyncio.get_running_loop()
-            try:
-                states = await loop.run_in_executor(
-                    None, job_states, self._fiber_backend, [job_id]
-                )
-            except OSError:
-                # No answer from the batch system: wait as long as distributed
-                # itself waits before hard-closing a lost worker's job.
-                limit = dask.config.get("distributed.deploy.lost-worker-timeout")
-                if waited < dask.utils.parse_timedelta(limit):
-                    asyncio.get_running_loop().call_later(
-                        self._fiber_grace, self._fiber_check_soon, job, waited
-                    )
-                    return
-            else:
-                state = states.get(job_id)
-                if state in SCHEDULERS[self._fiber_backend].alive:
-                    loop.call_later(
-                        self._fiber_grace, self._fiber_check_soon, job, waited
-                    )
-                    return
-        if self.status != Status.running or job not in self.worker_spec:
-            return
-        logger.warning(
-            "fiber-dask: the %s job %s (%s) ended while its workers were in use; "
-            "submitting a replacement",
-            self._fiber_backend,
-            job_id,
-            job,
-        )
-        # A new name (made while the old one is still taken): distributed's own
-        # lost-worker timer for the old name must not close the replacement.
-        self.worker_spec.update(self.new_worker_spec())
-        del self.worker_spec[job]
-        process = self.workers.pop(job, None)
-        if process is not None:
-            try:
-                await process.close()  # cancels it if it somehow still runs
-            except Exception:  # noqa: BLE001 - it is gone either way
-                pass
-            del process
-        await self._correct_state()
-
-
 _classes: dict[str, type] = {}
 
 
@@ -385,8 +259,14 @@ def _cluster_class(name: str) -> type:
         dask_jobqueue = _import_dask_jobqueue()
 
         base = getattr(dask_jobqueue, SCHEDULERS[name].cluster_class)
+        batch = jobwatch.BatchSystem(
+            name,
+            SCHEDULERS[name].alive,
+            functools.partial(job_states, name),
+            functools.partial(_refused, name),
+        )
         _classes[name] = type(
-            base.__name__, (_ReplacesEndedJobs, base), {"_fiber_backend": name}
+            base.__name__, (jobwatch.ReplacesEndedJobs, base), {"_fiber_batch": batch}
         )
     return _classes[name]
 
@@ -456,58 +336,6 @@ def make_cluster(name: str, **kwargs: Any) -> Any:
         ) from e
 
 
-def _slots(cluster: Any) -> tuple[int, int]:
-    """(workers per job, threads per worker) of ``cluster``'s jobs."""
-    job = cluster._dummy_job  # a Job object built from the settings; not kept
-    try:
-        return int(job.worker_processes), int(job.worker_process_threads)
-    finally:
-        del job
-
-
-def submit(name: str, cluster: Any, jobs: int) -> None:
-    """Grow ``cluster`` to ``jobs`` jobs and wait until the batch system took them.
-
-    Raises ``ClusterConnectionError`` with the batch system's own message (and
-    the ``jobqueue.<name>`` keys that went into the job's header) when it refuses
-    a job, or when it does not answer within ``fiber.connect-timeout``.
-    """
-    before = set(cluster.worker_spec)
-    failures = len(cluster._fiber_failures)
-    # Not cluster.scale(): it submits from a callback of its own, whose failure
-    # would only be logged.  _correct_state is the coroutine that runs
-    # sbatch/qsub for every planned job that has none yet.
-    while len(cluster.worker_spec) < jobs:
-        cluster.worker_spec.update(cluster.new_worker_spec())
-    timeout = config.timedelta("connect-timeout")
-    error: str | None = None
-    cluster._fiber_awaited = True
-    try:
-        cluster.sync(cluster._correct_state, callback_timeout=timeout)
-    except TimeoutError:
-        error = ""
-    except (RuntimeError, ValueError, OSError) as e:
-        error = _submit_error(e)  # a string: see _fiber_failures
-    finally:
-        cluster._fiber_awaited = False
-    new = set(cluster.worker_spec) - before
-    failed = [j for j in new if getattr(cluster.workers.get(j), "job_id", None) is None]
-    if failed and error is None:
-        # submitted by a concurrent pass (a replacement) that failed there
-        recorded = cluster._fiber_failures[failures:]
-        error = recorded[0] if recorded else "the job was not submitted"
-    if error is not None:
-        for job in failed or new:
-            cluster.worker_spec.pop(job, None)
-            process = cluster.workers.pop(job, None)
-            if process is not None and process.job_id is None:
-                from distributed.core import Status
-
-                process.status = Status.failed
-            del process
-        raise ClusterConnectionError(_refused(name, cluster, error, timeout))
-
-
 def _test_only(cluster: Any) -> None:
     """Ask SLURM whether it would accept the job (``sbatch --test-only``), so that
     an adaptive cluster, which submits only once there is work, fails at start
@@ -537,12 +365,6 @@ def _test_only(cluster: Any) -> None:
     if r.returncode != 0:
         words = r.stderr.strip() or r.stdout.strip()
         raise ClusterConnectionError(_refused("slurm", cluster, words, timeout))
-
-
-def _submit_error(error: BaseException) -> str:
-    """The batch system's own words from a failed submission."""
-    text = str(error)
-    return text.split("stderr:", 1)[1].strip() if "stderr:" in text else text
 
 
 def _refused(name: str, cluster: Any, error: str, timeout: float) -> str:
@@ -600,7 +422,7 @@ class JobQueueBackend(Backend):
             )
         cluster = make_cluster(self.name)
         try:
-            per_job, threads = _slots(cluster)
+            per_job, threads = jobwatch.slots(cluster)
             if adaptive["enabled"]:
                 if self.name == "slurm":
                     _test_only(cluster)
@@ -613,7 +435,7 @@ class JobQueueBackend(Backend):
                 )
                 planned = adaptive["maximum"] * threads
             else:
-                submit(self.name, cluster, 1)
+                jobwatch.submit(cluster, 1)
                 planned = per_job * threads
             client = connect(
                 cluster,
@@ -634,9 +456,9 @@ class JobQueueBackend(Backend):
             listen_host=listen_host(client.scheduler.address),
             planned_slots=planned,
         )
-        handle.jobs = lambda: list_jobs(self.name, cluster)
+        handle.jobs = lambda: jobwatch.list_jobs(cluster)
         if not adaptive["enabled"]:
-            handle.grow = _Grower(self.name, handle, cluster, per_job * threads)
+            handle.grow = _Grower(handle, cluster, per_job * threads)
         return handle
 
 
@@ -656,43 +478,15 @@ class _Grower:
     """``Pool(processes=N)`` on a fixed-size cluster: submit jobs (never cancel
     any) until N tasks run at once."""
 
-    def __init__(
-        self, name: str, handle: ClusterHandle, cluster: Any, per_job: int
-    ) -> None:
-        self.name, self.handle, self.cluster = name, handle, cluster
+    def __init__(self, handle: ClusterHandle, cluster: Any, per_job: int) -> None:
+        self.handle, self.cluster = handle, cluster
         self.per_job = per_job
 
     def __call__(self, slots: int) -> None:
         want = math.ceil(slots / self.per_job)
         if want > len(self.cluster.worker_spec):
-            submit(self.name, self.cluster, want)
+            jobwatch.submit(self.cluster, want)
             self.handle.planned_slots = want * self.per_job
-
-
-def list_jobs(name: str, cluster: Any) -> list[dict[str, Any]]:
-    """The cluster's jobs: name, id, the batch system's state, connected workers.
-
-    ``state`` is the batch system's word (``RUNNING``, ``PENDING``, ``Q``...),
-    ``None`` when it no longer lists the job, or ``"unknown (...)"`` when its
-    status command failed.
-    """
-    rows = []
-    for job in list(cluster.worker_spec):
-        job_id = getattr(cluster.workers.get(job), "job_id", None)
-        rows.append({"name": str(job), "id": job_id, "state": None, "workers": 0})
-    for w in cluster.scheduler_info.get("workers", {}).values():
-        owner = cluster._fiber_job_of(w.get("name"))
-        for row in rows:
-            if row["name"] == str(owner):
-                row["workers"] += 1
-    ids = [r["id"] for r in rows if r["id"]]
-    try:
-        states = job_states(name, ids)
-    except OSError as e:
-        states = {i: f"unknown ({e})" for i in ids}
-    for row in rows:
-        row["state"] = states.get(row["id"]) if row["id"] else "not submitted"
-    return rows
 
 
 def _require_dask_jobqueue() -> None:

@@ -1,8 +1,8 @@
-"""The pipe protocol between a keeper and its slot template (described in
-:mod:`fiber_dask.engine.slots`): pickled tuples with a 4-byte big-endian length
-prefix, on a private pipe between a process and its own child, never a
-network socket.  Used by both ends (:mod:`fiber_dask.engine.slots`,
-:mod:`fiber_dask.engine.slotserver`), which import nothing else of each other's.
+"""The frames on the pipes between a keeper and its slot template: pickled
+tuples with a 4-byte big-endian length prefix, on a private pipe between a
+process and its own child, never a network socket.  What the tuples say is
+:mod:`fiber_dask.engine.templateprotocol`.  Used by both ends
+(:mod:`fiber_dask.engine.slots`, :mod:`fiber_dask.engine.slotserver`).
 """
 
 from __future__ import annotations

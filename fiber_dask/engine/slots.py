@@ -6,9 +6,9 @@ How a pool slot runs (``fiber.pool.slots: process``)::
     ──────────             ───────────────────                   ─────────
     client.submit(run_pool_worker) ─► keeper (the Dask task: holds the task
                                       slot and the pool's resources)
-                                        │ ("fork", id, spec)   ┌──────────────────┐
+                                        │ Fork(id, spec)       ┌──────────────────┐
                                         ├─────────────────────►│ template process │
-                                        │◄── ("started", pid) ─│ (one per Dask    │
+                                        │◄── Started(id, pid) ─│ (one per Dask    │
                                         │                      │  worker, single- │
                                         │                      │  threaded, with  │
                                         │                      │  fiber_dask and  │
@@ -20,7 +20,7 @@ How a pool slot runs (``fiber.pool.slots: process``)::
       ── chunks ──────────────────────────────────────────────►   main thread runs
       ◄── results ────────────────────────────────────────────    serve_slot (the
                                         │                          initializer, tasks)
-                                        │◄── ("exit", id, code, reason) ── (reaped
+                                        │◄── Exited(id, code, reason) ──── (reaped
                                         ▼                               by the template)
                                  returns the reason to Dask
                                  ("recycled": fork a fresh one first)
@@ -81,21 +81,11 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   so the owner counts a failed loop and Dask places a new one; the owner sees
   the dropped connection and re-runs the chunk, as for a lost worker.
 
-The pipe protocol between keeper and template (pickled tuples, 4-byte
-big-endian length prefix, on a private pipe between a process and its own
-child, never a network socket):
-
-keeper → template: ``("fork", id, spec)`` where ``spec`` is the pickled
-:class:`SlotSpec`; the template's stdin.
-
-template → keeper: ``("started", id, pid)``, ``("exit", id, code, reason)``
-with ``code`` as :attr:`subprocess.Popen.returncode` (``-N`` for signal N) and
-``reason`` the string :func:`fiber_dask.engine.poolworker.serve_slot` returned, or
-None when the slot process died before returning one; ``("failed", id, error)``
-when the fork itself failed; ``("restarted", id, pid)`` when the slot process
-of ``id`` returned ``"recycled"`` (``maxtasksperchild``) and the template
-started its successor with the same spec at once (then no ``"exit"`` is sent
-for the old one; the keeper keeps waiting for the new one's).
+The messages between keeper and template, and what each means, are
+:mod:`fiber_dask.engine.templateprotocol`, which both ends import: ``Fork`` on
+the template's stdin; ``Started``, ``Exited``, ``Failed`` and ``Restarted`` (a
+``maxtasksperchild`` successor started by the template itself) on its report
+pipe, each a frame of :mod:`fiber_dask.engine.slotpipe`.
 """
 
 from __future__ import annotations
@@ -112,6 +102,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..transparency import resourcetracker
+from . import templateprotocol as proto
 from .slotpipe import FrameReader, write_frame
 
 __all__ = [
@@ -282,13 +273,25 @@ class Template:
 
     def _read_reports(self, report_r: int) -> None:
         reader = FrameReader(report_r)
+        broken = None
         try:
             while True:
                 try:
-                    msgs = reader.read()
+                    frames = reader.read()
                 except OSError:
-                    msgs = None
-                if msgs is None:
+                    frames = None
+                if frames is None:
+                    break
+                try:
+                    msgs = [proto.decode(frame, proto.REPORTS) for frame in frames]
+                except ValueError as e:
+                    # A bug: let the template go (its stdin's EOF), or the
+                    # wait() below would never return, and fail what it holds.
+                    logger.error("%s", e)
+                    broken = str(e)
+                    with self.lock:
+                        self.dead = True  # no fork() writes to it any more
+                        self.close()
                     break
                 for msg in msgs:
                     self._on_report(msg)
@@ -299,28 +302,31 @@ class Template:
                 forks, self.forks = list(self.forks.values()), {}
             code = self.proc.wait()
             for f in forks:
-                f._finish(None, None, f"the slot template process exited ({code})")
+                f._finish(
+                    None, None, broken or f"the slot template process exited ({code})"
+                )
             global _template
             with _template_lock:
                 if _template is self:
                     _template = None
 
-    def _on_report(self, msg: tuple) -> None:
-        kind, rid = msg[0], msg[1]
+    def _on_report(self, msg: Any) -> None:
+        kind = type(msg)
+        running = kind is proto.Started or kind is proto.Restarted
         with self.lock:
-            if kind in ("started", "restarted"):
-                fork = self.forks.get(rid)
-            else:
-                fork = self.forks.pop(rid, None)
+            if running:
+                fork = self.forks.get(msg.rid)
+            else:  # Exited, Failed: the request's last message
+                fork = self.forks.pop(msg.rid, None)
         if fork is None:
             return
-        if kind in ("started", "restarted"):
-            fork.pid = msg[2]
+        if running:
+            fork.pid = msg.pid
             fork.started.set()
-        elif kind == "exit":
-            fork._finish(msg[2], msg[3], None)
-        else:  # "failed"
-            fork._finish(None, None, msg[2])
+        elif kind is proto.Exited:
+            fork._finish(msg.code, msg.reason, None)
+        else:  # Failed
+            fork._finish(None, None, msg.error)
 
     def fork(self, spec: SlotSpec) -> _Fork:
         """Ask the template for a slot process running ``spec``."""
@@ -334,7 +340,9 @@ class Template:
             self.next_id += 1
             self.forks[rid] = f
             try:
-                write_frame(self.proc.stdin.fileno(), ("fork", rid, blob))
+                write_frame(
+                    self.proc.stdin.fileno(), proto.encode(proto.Fork(rid, blob))
+                )
             except OSError as e:
                 self.forks.pop(rid, None)
                 f._finish(None, None, f"cannot reach the slot template process: {e}")
@@ -542,9 +550,10 @@ def keep(
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
     ``"slot process died: ..."`` when it crashed.  A slot process retired by
     ``maxtasksperchild`` (``"recycled"``) is replaced without a new Dask task:
-    by the template at once (``"restarted"``), or here when that failed.
+    by the template at once (``Restarted``), or here when that failed.
     """
     from ..launch.launcher import child_env
+    from .poolprotocol import Reason
 
     worker_address = getattr(worker, "address", None)
     try:
@@ -572,7 +581,7 @@ def keep(
         # on a loaded host), and its death ends the wait; a keeper that gave up
         # early could leave a slot process it no longer keeps.
         f.done.wait()
-        if f.reason == "recycled":
+        if f.reason == Reason.RECYCLED:
             continue  # maxtasksperchild, the template could not restart it
         if f.reason is not None:
             return f.reason

@@ -2,12 +2,13 @@
 
 Started by :class:`fiber_dask.engine.slots.Template` in a Dask worker, as a fresh
 interpreter or forked from the worker while it is still single-threaded (the
-why, the picture and the pipe protocol are in :mod:`fiber_dask.engine.slots`).  It preloads
+why and the picture are in :mod:`fiber_dask.engine.slots`).  It preloads
 what every slot process needs (cloudpickle, fiber_dask's pool-worker code,
 numpy if it is installed), then, single-threaded, starts one slot process per
-``("fork", id, spec)`` read from stdin (handing the spec to the spare it keeps
-forked ahead, or forking one now) and reports on ``REPORT_FD`` its pid and,
-once reaped, its exit status and the reason its loop returned.  EOF on stdin
+``Fork`` read from stdin (handing the spec to the spare it keeps forked ahead,
+or forking one now) and reports on ``REPORT_FD`` its pid and, once reaped, its
+exit status and the reason its loop returned (the messages:
+:mod:`fiber_dask.engine.templateprotocol`).  EOF on stdin
 (the Dask worker is gone, or let it go) ends the template, and its slot
 processes with it.
 
@@ -84,15 +85,24 @@ class _Server:
     """The template's state: its slot processes, its spare, its pipes."""
 
     def __init__(self, request_fd: int, report_fd: int, sig_r: int, sig_w: int):
+        from fiber_dask.engine import templateprotocol
+        from fiber_dask.engine.poolprotocol import Reason
         from fiber_dask.engine.slotpipe import write_frame
 
         self.write_frame = write_frame
+        self.proto = templateprotocol
+        self.recycled = Reason.RECYCLED.encode()  # as a slot process writes it
         self.report_fd = report_fd
         self.own_fds = [request_fd, report_fd, sig_r, sig_w]
         self.children: dict[int, _Slot] = {}
         self.retired: set[int] = set()  # replaced after "recycled", not yet reaped
         self.spare: _Waiting | None = None
         self.me = os.getpid()
+
+    def report(self, msg: object) -> None:
+        """Send the keeper ``msg`` (a :mod:`~fiber_dask.engine.templateprotocol`
+        message)."""
+        self.write_frame(self.report_fd, self.proto.encode(msg))
 
     def fork_waiting(self) -> _Waiting:
         """Fork a slot process that sets itself up, then waits for its spec."""
@@ -152,19 +162,19 @@ class _Server:
         return "slot processes die at start"
 
     def start(self, rid: int, blob: bytes) -> None:
-        """Answer a ``("fork", rid, blob)`` request."""
+        """Answer a ``Fork(rid, blob)`` request."""
         proc = self.hand_over(blob)
         if isinstance(proc, str):
-            self.write_frame(self.report_fd, ("failed", rid, proc))
+            self.report(self.proto.Failed(rid, proc))
             return
         self.children[proc.pid] = _Slot(rid, proc.reason_r, blob)
-        self.write_frame(self.report_fd, ("started", rid, proc.pid))
+        self.report(self.proto.Started(rid, proc.pid))
 
     def read_reasons(self, ready: list[int]) -> None:
         """Read the reasons slot processes wrote as their loop returned.  A
-        slot retired by ``maxtasksperchild`` (``"recycled"``) is replaced at
-        once, before it has even exited, with the same spec, and reported as
-        ``("restarted", id, pid)``: no round trip through the keeper."""
+        slot retired by ``maxtasksperchild`` (``Reason.RECYCLED``) is replaced
+        at once, before it has even exited, with the same spec, and reported
+        as ``Restarted(id, pid)``: no round trip through the keeper."""
         for pid, c in list(self.children.items()):
             if c.reason_fd is None or c.reason_fd not in ready:
                 continue
@@ -177,7 +187,7 @@ class _Server:
                 continue
             os.close(c.reason_fd)
             c.reason_fd = None
-            if c.reason != b"recycled":
+            if c.reason != self.recycled:
                 continue  # reported once reaped, with its exit status
             proc = self.hand_over(c.blob)
             if isinstance(proc, str):
@@ -185,7 +195,7 @@ class _Server:
             del self.children[pid]
             self.retired.add(pid)
             self.children[proc.pid] = _Slot(c.rid, proc.reason_r, c.blob)
-            self.write_frame(self.report_fd, ("restarted", c.rid, proc.pid))
+            self.report(self.proto.Restarted(c.rid, proc.pid))
 
     def reap(self) -> None:
         while True:
@@ -209,7 +219,7 @@ class _Server:
             if c.reason_fd is not None:
                 reason += _read_reason(c.reason_fd)
             text = reason.decode("utf-8", "replace") if reason else None
-            self.write_frame(self.report_fd, ("exit", c.rid, code, text))
+            self.report(self.proto.Exited(c.rid, code, text))
 
     def kill_all(self) -> None:
         pids = [*self.children, *self.retired]
@@ -247,6 +257,7 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     _preload()
 
     from fiber_dask.engine.slotpipe import FrameReader
+    from fiber_dask.engine.templateprotocol import REQUESTS, decode
 
     # SIGCHLD wakes the select through the wakeup fd, as in the stdlib's
     # forkserver: the template never blocks in waitpid.
@@ -281,9 +292,9 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
                     msgs = None
                 if msgs is None:
                     return 0  # the Dask worker is gone or let us go
-                for kind, rid, blob in msgs:
-                    if kind == "fork":
-                        server.start(rid, blob)
+                for frame in msgs:
+                    fork = decode(frame, REQUESTS)  # raises on a bug: we end
+                    server.start(fork.rid, fork.spec)
             # After the answers: the next spare's fork never delays a start.
             server.refill()
     finally:
