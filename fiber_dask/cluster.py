@@ -512,6 +512,17 @@ def scheduler_address(handle: ClusterHandle) -> str:
     return addr
 
 
+def wait_reconnected(client: Any, timeout: float) -> str:
+    """``client``'s status once it is no longer reconnecting (``connecting``,
+    ``newly-created``), or when ``timeout`` seconds have passed."""
+    status = client.status
+    deadline = time.monotonic() + timeout
+    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = client.status
+    return status
+
+
 def check_connected(handle: ClusterHandle, timeout: float | None = None) -> None:
     """Raise :class:`ClusterConnectionError` if ``handle``'s scheduler is lost.
 
@@ -526,10 +537,7 @@ def check_connected(handle: ClusterHandle, timeout: float | None = None) -> None
         return
     if timeout is None:
         timeout = config.timedelta("connect-timeout")
-    deadline = time.monotonic() + timeout
-    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        status = client.status
+    status = wait_reconnected(client, timeout)
     if status == "running":
         return
     addr = scheduler_address(handle)

@@ -523,11 +523,7 @@ def _require_scheduler(client: Any) -> None:
     if status == "running":
         return
     timeout = _connect_timeout()
-    deadline = time.monotonic() + timeout
-    while status in ("connecting", "newly-created") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        status = client.status
-    if status == "running":
+    if cluster.wait_reconnected(client, timeout) == "running":
         return
     from ..errors import ClusterConnectionError
 
