@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-import time
 
 import dask.config
 import psutil
@@ -38,6 +37,7 @@ if TESTS_DIR not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, _pythonpath) if p)
 
 from support import semaphores  # noqa: E402 - needs TESTS_DIR on sys.path
+from support.wait import wait_until  # noqa: E402
 
 N_WORKERS = 2
 
@@ -136,11 +136,14 @@ def _check_no_leaked_semaphores(before: set[str]) -> None:
     A resource tracker unlinks its process's semaphores when that process ends,
     a moment later; harnesses that kill stand-in machines clear theirs
     (support.semaphores).  Whatever else is left leaked, on every run."""
-    deadline = time.monotonic() + LEAK_GRACE
-    while (left := semaphores.orphans(before)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if left:
-        semaphores.remove_orphans(before)
+    try:
+        wait_until(
+            lambda: not semaphores.orphans(before),
+            LEAK_GRACE,
+            "the resource trackers to unlink the session's semaphores",
+        )
+    except AssertionError:
+        left = semaphores.remove_orphans(before)
         pytest.fail(
             f"{len(left)} named semaphore(s) made during the session were left in "
             f"/dev/shm with no process holding them (removed now): "

@@ -18,22 +18,14 @@ import os
 import pkgutil
 
 from support import importgraph
+from support.mirrors import SUBMODULES
 
 import fiber_dask
 
 PACKAGE_DIR = os.path.dirname(fiber_dask.__file__)
 
 #: The stdlib's submodules fiber_dask mirrors (swap hands these out).
-MIRRORS = {
-    "connection",
-    "context",
-    "managers",
-    "pool",
-    "process",
-    "queues",
-    "sharedctypes",
-    "synchronize",
-}
+MIRRORS = set(SUBMODULES)
 #: What users import, besides the mirrors.
 FACES = MIRRORS | {"futures", "joblib", "swap", "_swapmain"}
 TOP_LEVEL = FACES | {

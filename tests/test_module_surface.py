@@ -13,6 +13,7 @@ import types
 import warnings
 
 import pytest
+from support.mirrors import SUBMODULES
 
 import fiber_dask
 
@@ -22,19 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 def test_every_stdlib_public_name_exists():
     assert sorted(set(multiprocessing.__all__) - set(dir(fiber_dask))) == []
 
-
-# The submodules fiber_dask replaces (the others, e.g. ``dummy``, ``util``, are the
-# stdlib's own under the swap).
-SUBMODULES = [
-    "connection",
-    "context",
-    "managers",
-    "pool",
-    "process",
-    "queues",
-    "sharedctypes",
-    "synchronize",
-]
 
 # Public names of a stdlib submodule that fiber_dask's does not have, and why.
 # Anything missing that is not listed here fails the test.
