@@ -276,6 +276,27 @@ def client():
         yield c
 
 
+def import_path_and_joblib(_):
+    import joblib
+
+    return list(sys.path), joblib.__file__
+
+
+def test_a_slot_imports_top_level_modules_not_fiber_dasks_namesakes(client):
+    """A slot template is started with PYTHONPATH naming the directory that
+    holds fiber_dask.  When a move into ``engine/`` made that the package
+    directory itself, ``import joblib`` in every task found
+    ``fiber_dask/joblib.py`` ("'joblib' is not a package"); a plain
+    LocalCluster's workers showed it, the embedded cluster's did not."""
+    package = os.path.dirname(os.path.abspath(fiber_dask.__file__))
+    with fiber_dask.Pool(2, client=client) as pool:
+        for path, joblib_file in pool.map(import_path_and_joblib, range(4), chunksize=1):
+            inside = [p for p in path if os.path.abspath(p or ".").startswith(package)]
+            assert not inside, f"the package's own directory is on a slot's sys.path: {inside}"
+            assert not joblib_file.startswith(package), joblib_file
+            assert os.path.dirname(package) in path  # this very fiber_dask stays importable
+
+
 @pytest.mark.parametrize("how", ["segfault", "exit", "sigkill"])
 def test_a_task_that_kills_its_process_costs_only_a_rerun(client, tmp_path, how):
     workers = client.run(os.getpid)

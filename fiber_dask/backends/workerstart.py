@@ -74,6 +74,7 @@ from multiprocessing import (
 )
 from typing import Any
 
+from ..launch import childsetup
 from ..transparency import interrupts
 
 __all__ = ["WorkerForkServer", "nanny_class", "start", "PRELOAD"]
@@ -173,14 +174,8 @@ class WorkerForkServer(forkserver.ForkServer):
                         cmd,
                     ]
                     env = {**os.environ, **self.env}
-                    # The server must import this very fiber_dask (the owner
-                    # may have found it through sys.path, not PYTHONPATH).
-                    here = os.path.dirname(
-                        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-                    )
-                    env["PYTHONPATH"] = os.pathsep.join(
-                        p for p in (env.get("PYTHONPATH"), here) if p
-                    )
+                    # The server must import this very fiber_dask.
+                    env["PYTHONPATH"] = childsetup.pythonpath_with_package(env)
                     proc = subprocess.Popen(
                         args,
                         stdin=subprocess.PIPE,

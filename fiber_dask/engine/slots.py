@@ -101,6 +101,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..launch import childsetup
 from ..transparency import resourcetracker
 from . import templateprotocol as proto
 from .slotpipe import FrameReader, write_frame
@@ -239,12 +240,8 @@ class Template:
             report_r, report_w = os.pipe()
             env = dict(os.environ)
             env["FIBER_DASK_LAUNCHER_PID"] = str(os.getpid())
-            # The template must import this very fiber_dask (a worker may have
-            # found it through sys.path rather than PYTHONPATH).
-            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (env.get("PYTHONPATH"), here) if p
-            )
+            # The template must import this very fiber_dask.
+            env["PYTHONPATH"] = childsetup.pythonpath_with_package(env)
             tracker_fds = resourcetracker.for_child(env)
             try:
                 self.proc = subprocess.Popen(

@@ -430,7 +430,9 @@ def _print_interrupted(exc: KeyboardInterrupt) -> None:
     import multiprocessing
     import traceback
 
-    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    from fiber_dask.launch import childsetup
+
+    ours = childsetup.package_dir() + os.sep
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)

@@ -18,10 +18,12 @@ every child imports it before anything of its own (importing
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["prepare", "preload", "register"]
+__all__ = ["package_dir", "prepare", "preload", "pythonpath_with_package", "register"]
 
 
 class _Step(NamedTuple):
@@ -52,3 +54,22 @@ def prepare() -> None:
     """Run the registered steps (the environment a child inherited is set)."""
     for step in list(_steps):
         step.prepare()
+
+
+def package_dir() -> str:
+    """The directory of this fiber_dask package (``.../fiber_dask``), found
+    from the package itself rather than from this module's place in it, so a
+    module that moves between subpackages does not change the answer."""
+    root = sys.modules[__name__.partition(".")[0]]
+    return os.path.dirname(os.path.abspath(root.__file__))
+
+
+def pythonpath_with_package(env: dict[str, str]) -> str:
+    """``env``'s ``PYTHONPATH`` with the directory that holds this fiber_dask
+    appended, so a child started with ``env`` imports this very fiber_dask
+    (its parent may have found it through ``sys.path``, not ``PYTHONPATH``).
+    The package's parent, never the package directory itself: there
+    ``fiber_dask/joblib.py`` would shadow the real ``joblib`` for every
+    program in the child."""
+    here = os.path.dirname(package_dir())
+    return os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
