@@ -69,6 +69,22 @@ def test_coldstart_benchmark_times_fresh_processes(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_firstmap_benchmark_times_a_fresh_pools_first_and_second_map(tmp_path):
+    report, text = run_benchmark(
+        "firstmap.py",
+        *("--repeats", "1", "--durations", "0.01", "--kinds", "busy"),
+        *("--ideal", "0.1"),
+        tmp_path=tmp_path,
+    )
+    assert "| 10 ms busy x20 |" in text
+    for name in ("fiber_dask", "multiprocessing"):
+        got = report["cases"]["10 ms busy"][name]
+        assert set(got) == {"Pool()", "first map", "second map", "first map, slots up"}
+        # 20 tasks of 10 ms on 2 slots: no map is shorter than 0.1 s.
+        assert all(v[0] >= 0.1 for k, v in got.items() if k != "Pool()"), got
+
+
+@pytest.mark.timeout(300)
 def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
     report, text = run_benchmark(
         "scaling.py",

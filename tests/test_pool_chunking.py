@@ -36,7 +36,12 @@ def nap(x):
 
 
 def test_the_rule():
-    assert measured_chunksize(None, 1024, 10**6) == 1  # unmeasured: one item
+    # Unmeasured: the stdlib's rule, ceil(total / (4 x slots)), no more than
+    # is left; one item when the map's length is not known.
+    assert measured_chunksize(None, 2, 200, 200) == 25
+    assert measured_chunksize(None, 2, 10, 200) == 10
+    assert measured_chunksize(None, 1024, 2048, 2048) == 1
+    assert measured_chunksize(None, 1024, 10**6) == 1
     assert measured_chunksize(0.01, 1024, 10**6) == 410  # ~4 s chunks (4 ms a slot)
     assert measured_chunksize(0.01, 256, 10**6) == 103  # ~1 s
     # Long tasks, a few per slot: one item per chunk (half a slot's share
@@ -86,15 +91,17 @@ def test_chunks_adapt_to_the_task_duration(fiber_ctx):
     with fiber_ctx.Pool(2) as pool:
         fast = pool.map_async(triple, range(20000))
         assert fast.get(timeout=120) == [3 * x for x in range(20000)]
-        # Item by item would be 20000 chunks.  Measured: a single item per
-        # slot until the first result (so at least 3 chunks), then chunks of
-        # up to 50 ms of work that shrink toward the end, down to 1 ms.
+        # Item by item would be 20000 chunks.  Measured: the stdlib's 2500
+        # items for each slot until the first result, then chunks of up to
+        # 50 ms of work that shrink toward the end, down to 1 ms.
         assert 2 < fast._chunk_index < 2000, fast._chunk_index
         slow = pool.map_async(nap, range(24))
         assert slow.get(timeout=120) == [-x for x in range(24)]
-        # 0.1 s a task is longer than a chunk's 50 ms: one item per chunk,
-        # where the stdlib rule sends 8 chunks of 3.
-        assert slow._chunk_index == 24
+        # 0.1 s a task is longer than a chunk's 50 ms: after the stdlib's
+        # first chunk of 3 for each slot (cut before anything is measured;
+        # a third, cut while no slot had room, was cut again once one had),
+        # one item per chunk, where the stdlib rule sends 8 chunks of 3.
+        assert slow._chunk_index == 2 + 18
 
 
 def test_a_given_chunksize_keeps_the_stdlib_rule(fiber_ctx):

@@ -556,7 +556,13 @@ class PoolEngine:
                     least = min(loads, default=depth)
                     best = next(iter(loads[least])) if least < depth else None
                     if best is None:
-                        self._retry.appendleft(chunk)  # first in line next time
+                        if (
+                            chunk.attempts
+                            or chunk.split is not None
+                            or chunk.alone
+                            or not chunk.job._give_back(chunk.index, chunk.items)
+                        ):
+                            self._retry.appendleft(chunk)  # first in line next time
                         if self._elastic is not None:
                             self._elastic.wanted()  # slots given back: ask again
                         return

@@ -107,9 +107,14 @@ def measured_chunksize(
     Returns
     -------
     int
-        ``1`` while the function is unmeasured (at most one such chunk per
-        slot is out before the first result, as the engine sends one chunk at
-        a time of an unmeasured function); then enough items for the chunk to
+        While the function is unmeasured, the stdlib's rule,
+        ``ceil(total / (4 x slots))`` (``1`` when ``total`` is not known): at
+        most one such chunk per slot is out before the first result, as the
+        engine sends one chunk at a time of an unmeasured function, so a map
+        starts as the stdlib's does and each slot asks for its next chunk by
+        the measured rule.  (One-item chunks until a result came cost a fresh
+        pool's first map of 200 x 10 ms items ~15 ms: a round trip per slot
+        and slots out of step at the map's end; issue 30.)  Then enough items for the chunk to
         last ``max(MIN_CHUNK_SECONDS, slots x CHUNK_SECONDS_PER_SLOT)``, but
         no more than ``ceil(left / (CHUNKS_PER_SLOT x slots))`` (half that
         once fewer than ``FEW_ITEMS_PER_SLOT`` items per slot are left) or,
@@ -137,7 +142,9 @@ def measured_chunksize(
     10000
     """
     if per_item is None:
-        return 1
+        if not total:
+            return 1
+        return int(max(1, min(-(-total // (4 * max(slots, 1))), left)))
     target = max(MIN_CHUNK_SECONDS, slots * CHUNK_SECONDS_PER_SLOT)
     # (rounded first: 0.005 / 1e-6 is 5000.000000000001 in floats)
     want = -(-round(target / max(per_item, 1e-9), 6) // 1)
@@ -165,6 +172,12 @@ class _Job:
     def _next_chunk(self) -> tuple[int, list] | None:
         """The next chunk to send, or None when exhausted or held back."""
         raise NotImplementedError
+
+    def _give_back(self, index: int, items: list) -> bool:
+        """Take back the chunk ``_next_chunk`` just returned (no loop had room
+        for it), so that its items are cut again when a loop has: whether it
+        was taken back (else the engine holds the chunk as it is)."""
+        return False
 
     def _first_item(self, index: int) -> int:
         """The position in the job's input of chunk ``index``'s first item."""
@@ -322,6 +335,19 @@ class MapResult(ApplyResult):
             self._exhausted = True
             self._items = None  # the pool no longer needs the input
         return start // self._chunksize, chunk
+
+    def _give_back(self, index, items):
+        """A map sized by measurement takes back its last cut chunk, so that
+        a chunk cut before the function was measured (the stdlib's size) is
+        cut again by the measured rule once a loop is free; a fixed size
+        gains nothing from it, nor the last chunk, whose input is dropped."""
+        if not self._measured or self._exhausted:
+            return False
+        if index + len(items) != self._next_start:
+            return False
+        self._next_start = index
+        self._chunk_index -= 1
+        return True
 
     def _chunk_done(self, index, ok, value):
         if self._event.is_set():
