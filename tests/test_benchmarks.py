@@ -85,6 +85,24 @@ def test_firstmap_benchmark_times_a_fresh_pools_first_and_second_map(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_bigitems_benchmark_the_owner_holds_few_large_pieces(tmp_path):
+    """120 MB in 40 pieces of 3 MB through a pool of a fast function: the
+    owner's peak grows by a few pieces, as the stdlib's does.  Before the
+    queues and dispatch passes were bounded by bytes, each loop was sent
+    ~20 pieces ahead and a pass held them all pickled: +114 MB for both."""
+    report, text = run_benchmark(
+        "bigitems.py",
+        *("--repeats", "1", "--mb", "120", "--pieces", "40"),
+        *("--modes", "imap,map(chunksize=1),map"),
+        tmp_path=tmp_path,
+    )
+    for mode in ("imap", "map(chunksize=1)", "map"):
+        fiber = report["modes"][mode]["fiber_dask"]["MB"][0]
+        stdlib = report["modes"][mode]["multiprocessing"]["MB"][0]
+        assert fiber <= 1.25 * stdlib + 32, (mode, fiber, stdlib, text)
+
+
+@pytest.mark.timeout(300)
 def test_scaling_benchmark_runs_a_pool_of_many_slots_on_few_processes(tmp_path):
     report, text = run_benchmark(
         "scaling.py",

@@ -74,6 +74,12 @@ def test_the_rule():
     # On 2 slots the 50 ms minimum stays the rule (200 items of 10 ms: 5).
     assert measured_chunksize(0.01, 2, 200, 200) == 5
     assert measured_chunksize(0.01, 2, 3, 200) == 3
+    # Once what an item weighs pickled is known, a chunk holds at most
+    # CHUNK_BYTES of it (or one item), measured or not.
+    assert measured_chunksize(1e-3, 2, 100, 100, item_bytes=3e6) == 1
+    assert measured_chunksize(None, 2, 100, 100, item_bytes=3e6) == 1
+    assert measured_chunksize(1e-3, 2, 100, 100, item_bytes=2**20) == 4
+    assert measured_chunksize(1e-6, 2, 10**6, 10**6, item_bytes=30) == 50000
 
 
 def test_map_without_chunksize_equals_the_stdlib(ctx):

@@ -76,6 +76,17 @@ __all__ = ["PoolEngine", "PoolSlot", "INIT", "RUN", "CLOSE", "TERMINATE"]
 logger = logging.getLogger("fiber_dask.pool")
 
 _MAX_DEPTH = 64
+#: Pickled arguments a loop holds queued beyond the chunk it runs: its depth
+#: (chunks in flight) is at most ``1 + this // a chunk's bytes`` of the job.
+#: Counted by chunks and seconds only, a fast function of 3 MB arguments was
+#: queued 21 deep at each loop, and the dispatch pass that filled the queues
+#: held all their pickles at once in the owner (issue 30: a map of 100 pieces
+#: of a 300 MB array, +186-294 MB of owner peak RSS against the stdlib's 6-81).
+_QUEUE_BYTES = 8 * 2**20
+#: A dispatch pass sends what it has filled once its pickles reach this, so
+#: the owner holds at most about this much of them at once, however many
+#: loops the pass fills.
+_PASS_BYTES = 8 * 2**20
 #: Idle loops a dispatch pass fills before it sends them their first chunks
 #: (see ``_dispatch``); fewer loops than this get one ``Calls`` each per pass.
 _START_GROUP = 64
@@ -184,11 +195,12 @@ class _Outgoing:
     of ``(Call, chunk)`` pairs), and each link's :class:`~fiber_dask.engine.poolprotocol.Shared`
     arrays."""
 
-    __slots__ = ("calls", "shared")
+    __slots__ = ("calls", "shared", "bytes")
 
     def __init__(self) -> None:
         self.calls: dict[_Peer, list[list]] = {}
         self.shared: dict[_Link, proto.Shared] = {}
+        self.bytes = 0  # the pickled arguments of the chunks it holds
 
 
 class _Peer:
@@ -447,13 +459,15 @@ class PoolEngine:
             if not self._cache and self.state == CLOSE:
                 self._wake()
 
-    def measured_chunksize(self, func: Any, left: int, total: int | None = None) -> int:
+    def measured_chunksize(
+        self, func: Any, left: int, total: int | None = None, item_bytes: float = 0
+    ) -> int:
         """Items in the next chunk of a map of ``func`` sized by measurement
         (:func:`fiber_dask.engine.poolresults.measured_chunksize`; call under the
         lock, as the dispatcher does)."""
         entry = self._fids.get(id(func))
         per_item = entry[3] if entry is not None and entry[0] is func else None
-        return measured_chunksize(per_item, self.processes, left, total)
+        return measured_chunksize(per_item, self.processes, left, total, item_bytes)
 
     def job_consumed(self) -> None:
         """The caller took an imap chunk: back-pressured input may go on."""
@@ -567,7 +581,9 @@ class PoolEngine:
                             self._elastic.wanted()  # slots given back: ask again
                         return
                     self._add_call(best, chunk, out)
-                    if least == 0 and len(out.calls) >= _START_GROUP:
+                    if out.bytes >= _PASS_BYTES:
+                        self._send_out(out)  # large arguments: hold few at once
+                    elif least == 0 and len(out.calls) >= _START_GROUP:
                         # Idle loops, many of them (a map opening on 1024
                         # slots): send them their first chunks in groups, not
                         # after the whole pass has pickled every loop's queue
@@ -585,7 +601,7 @@ class PoolEngine:
         for peer, batches in out.calls.items():
             frames.setdefault(peer.link, []).append((peer, batches))
         shared = out.shared
-        out.calls, out.shared = {}, {}
+        out.calls, out.shared, out.bytes = {}, {}, 0
         for link, sends in frames.items():
             routed = []
             for peer, batches in sends:
@@ -640,6 +656,9 @@ class PoolEngine:
             # hundreds of loops finishing together, the last one served would
             # wait for all the others' results to be handled first).
             depth = 2
+        chunk_bytes = chunk.job._item_bytes * len(chunk.items)
+        if chunk_bytes:
+            depth = min(depth, 1 + int(_QUEUE_BYTES // chunk_bytes))
         return depth
 
     def _next_chunk(self) -> _Chunk | None:
@@ -690,7 +709,9 @@ class PoolEngine:
             shared = out.shared.get(peer.link)
             if shared is None:
                 shared = out.shared[peer.link] = proto.Shared()
+            before = shared.nbytes
             payload = proto.dumps_items(chunk.items, shared)
+            weight = len(payload) + shared.nbytes - before  # arrays in the table
         except Exception as e:
             # Unpicklable function or arguments: an error for this job, in the
             # caller's get(), as the stdlib reports it.  Settled by the result
@@ -702,6 +723,13 @@ class PoolEngine:
             self._unsendable.append((chunk, e))
             self._wake()
             return
+        # What the job's items weigh pickled, for the bounds on chunk sizes
+        # and queues (a running average: the items of one map may differ).
+        per_item = weight / max(1, len(chunk.items))
+        job._item_bytes = (
+            per_item if not job._item_bytes else 0.7 * job._item_bytes + 0.3 * per_item
+        )
+        out.bytes += weight
         ckey = next(self._ckeys)
         send_blob, evict = peer.funcs.use(fid)
         call = proto.Call(

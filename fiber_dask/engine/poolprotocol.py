@@ -466,11 +466,12 @@ class Shared:
     changes no other task's, as before.
     """
 
-    __slots__ = ("_index", "objects")
+    __slots__ = ("_index", "objects", "nbytes")
 
     def __init__(self) -> None:
         self._index: dict[int, int] = {}
         self.objects: list = []  # held, so that no id() is reused meanwhile
+        self.nbytes = 0  # the arrays' data: what the frame will carry for them
 
     def __len__(self) -> int:
         return len(self.objects)
@@ -480,6 +481,7 @@ class Shared:
         if i is None:
             i = self._index[id(obj)] = len(self.objects)
             self.objects.append(obj)
+            self.nbytes += obj.nbytes
         return i
 
     def blobs(self) -> list | None:

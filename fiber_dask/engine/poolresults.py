@@ -85,10 +85,19 @@ TAIL_SECONDS = 0.001
 #: one second of work, most of them in the tail).  At 8 a map is cut into at most
 #: about 8 chunks per slot beyond its first ones; the stdlib's rule cuts 4.
 TAIL_CHUNKS_PER_SLOT = 8
+#: A chunk's pickled arguments weigh at most this (or it holds one item), once
+#: the engine has seen what the map's items weigh: a measured chunk of a fast
+#: function over large arrays held 50 pieces of 3 MB (150 MB pickled at once in
+#: the owner, and again in the slot), where the time rule alone decided.
+CHUNK_BYTES = 4 * 2**20
 
 
 def measured_chunksize(
-    per_item: float | None, slots: int, left: int, total: int | None = None
+    per_item: float | None,
+    slots: int,
+    left: int,
+    total: int | None = None,
+    item_bytes: float = 0,
 ) -> int:
     """Items in the next chunk of a map whose caller gave no chunksize.
 
@@ -103,6 +112,9 @@ def measured_chunksize(
         Items of the map not handed out yet.
     total : int, optional
         Items of the whole map.
+    item_bytes : float, optional
+        What an item's arguments weigh pickled (0: not known yet); a chunk
+        then holds no more than ``CHUNK_BYTES`` of them, or one item.
 
     Returns
     -------
@@ -141,10 +153,11 @@ def measured_chunksize(
     >>> measured_chunksize(1e-7, 2, 20000)
     10000
     """
+    by_bytes = int(CHUNK_BYTES // item_bytes) if item_bytes else left
     if per_item is None:
         if not total:
             return 1
-        return int(max(1, min(-(-total // (4 * max(slots, 1))), left)))
+        return int(max(1, min(-(-total // (4 * max(slots, 1))), left, by_bytes)))
     target = max(MIN_CHUNK_SECONDS, slots * CHUNK_SECONDS_PER_SLOT)
     # (rounded first: 0.005 / 1e-6 is 5000.000000000001 in floats)
     want = -(-round(target / max(per_item, 1e-9), 6) // 1)
@@ -154,7 +167,7 @@ def measured_chunksize(
     floor = round(TAIL_SECONDS / max(per_item, 1e-9), 6) // 1
     if total:
         floor = max(floor, -(-total // (TAIL_CHUNKS_PER_SLOT * slots)))
-    return int(max(1, min(want, max(cap, floor), left)))
+    return int(max(1, min(want, max(cap, floor), left, by_bytes)))
 
 
 class _Job:
@@ -168,6 +181,9 @@ class _Job:
         self._func = func
         self._chunk_index = 0
         self._exhausted = False
+        #: Bytes an item's arguments weigh pickled, as the engine last saw
+        #: them (0 until it has pickled a chunk of this job).
+        self._item_bytes = 0.0
 
     def _next_chunk(self) -> tuple[int, list] | None:
         """The next chunk to send, or None when exhausted or held back."""
@@ -314,7 +330,10 @@ class MapResult(ApplyResult):
         if not self._measured:
             return self._chunksize
         return self._engine.measured_chunksize(
-            self._func, len(self._items) - self._next_start, self._total
+            self._func,
+            len(self._items) - self._next_start,
+            self._total,
+            self._item_bytes,
         )
 
     def _chunks_to_come(self) -> int:
