@@ -290,11 +290,17 @@ def test_a_slot_imports_top_level_modules_not_fiber_dasks_namesakes(client):
     LocalCluster's workers showed it, the embedded cluster's did not."""
     package = os.path.dirname(os.path.abspath(fiber_dask.__file__))
     with fiber_dask.Pool(2, client=client) as pool:
-        for path, joblib_file in pool.map(import_path_and_joblib, range(4), chunksize=1):
+        for path, joblib_file in pool.map(
+            import_path_and_joblib, range(4), chunksize=1
+        ):
             inside = [p for p in path if os.path.abspath(p or ".").startswith(package)]
-            assert not inside, f"the package's own directory is on a slot's sys.path: {inside}"
+            assert not inside, (
+                f"the package's own directory is on a slot's sys.path: {inside}"
+            )
             assert not joblib_file.startswith(package), joblib_file
-            assert os.path.dirname(package) in path  # this very fiber_dask stays importable
+            assert (
+                os.path.dirname(package) in path
+            )  # this very fiber_dask stays importable
 
 
 @pytest.mark.parametrize("how", ["segfault", "exit", "sigkill"])
