@@ -1114,7 +1114,13 @@ def test_backend_adaptive_end_to_end(nodes: Nodes) -> None:
                 what="the autoscaler to retire a worker",
             )
             assert nodes.deployments(name, "gpu") == gpu
-            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+            # The scheduler's list follows the deployments: wait for it (CI
+            # once read it empty just after the retirement).
+            hk.wait_for(
+                lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 2,
+                timeout=30,
+                what="the scheduler to list the default and the GPU worker",
+            )
         finally:
             fiber_dask.shutdown()
     hk.wait_for(
