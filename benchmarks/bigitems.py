@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -35,7 +34,7 @@ import textwrap
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import REPO_ROOT, median  # noqa: E402
+from benchmarks.common import median, run_json_program  # noqa: E402
 
 PROGRAM = textwrap.dedent(
     """
@@ -84,22 +83,7 @@ MODES = ("map", "map(chunksize=1)", "imap", "map (array results)")
 
 
 def run_once(script: str, engine: str, mode: str, mb: int, pieces: int) -> dict:
-    env = dict(os.environ)
-    env["DASK_FIBER__LOCAL__N_WORKERS"] = "2"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
-    )
-    out = subprocess.run(
-        [sys.executable, script, engine, mode, str(mb), str(pieces)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{engine} {mode} failed ({out.returncode}):\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_program(script, [engine, mode, str(mb), str(pieces)], 2)
 
 
 def main(argv: list[str] | None = None) -> int:

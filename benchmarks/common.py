@@ -557,3 +557,24 @@ def check_choices(
         if v not in choices:
             p.error(f"unknown {what} {v!r}; choose from {', '.join(choices)}")
     return list(dict.fromkeys(values))
+
+
+def run_json_program(script: str, args: list[str], workers: int) -> dict:
+    """Run ``script`` with ``args`` in a fresh interpreter (the repository on
+    its import path, ``workers`` embedded-cluster workers) and return the JSON
+    object its last line of output holds; RuntimeError with its stderr if it
+    failed."""
+    import subprocess
+
+    env = dict(os.environ)
+    env["DASK_FIBER__LOCAL__N_WORKERS"] = str(workers)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
+    )
+    out = subprocess.run(
+        [sys.executable, script, *args],
+        env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}):\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -41,7 +40,7 @@ import textwrap
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import REPO_ROOT, calibrate_cpu_work, median  # noqa: E402
+from benchmarks.common import calibrate_cpu_work, median, run_json_program  # noqa: E402
 
 #: The program's imports, at its top as a program has them (a slot template
 #: imports the main module under the stdlib's ``__mp_main__``, and with it these).
@@ -90,22 +89,9 @@ ENGINES = ("multiprocessing", "fiber_dask")
 def run_once(
     script: str, engine: str, workers: int, items: int, kind: str, arg: float
 ) -> dict:
-    env = dict(os.environ)
-    env["DASK_FIBER__LOCAL__N_WORKERS"] = str(workers)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
+    return run_json_program(
+        script, [engine, str(workers), str(items), kind, str(arg)], workers
     )
-    out = subprocess.run(
-        [sys.executable, script, engine, str(workers), str(items), kind, str(arg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{engine} failed ({out.returncode}):\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
