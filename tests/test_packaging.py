@@ -230,3 +230,24 @@ def test_environment_yml_lists_exactly_the_pyproject_requirements() -> None:
     assert ours, "pyproject.toml declares no dependency?"
     assert env - ours == set(), "in environment.yml but not in pyproject.toml"
     assert ours - env == set(), "in pyproject.toml but not in environment.yml"
+
+
+def test_the_suite_loads_only_its_plugins_and_rewrites_no_third_party_module(
+    request: pytest.FixtureRequest,
+) -> None:
+    """pytest-timeout is active, and a module of an installed pytest plugin's
+    distribution imported during the run is not assertion-rewritten: such
+    imports happen on background threads (kr8s resolving anyio's lazy names),
+    where CPython 3.11's parser races with another thread's (pyproject.toml's
+    addopts says why)."""
+    manager = request.config.pluginmanager
+    timeout_loaded = manager.hasplugin("pytest_timeout") or manager.hasplugin("timeout")
+    assert timeout_loaded, "pytest-timeout is not loaded"
+    assert request.config.getini("timeout") == "120"
+    assert not manager.hasplugin("anyio"), "autoloading of plugins is on"
+    import anyio._core._fileio as fileio
+
+    loader = type(fileio.__spec__.loader).__name__
+    assert loader != "AssertionRewritingHook", (
+        "anyio's modules are rewritten by pytest: pass --disable-plugin-autoload"
+    )
