@@ -38,7 +38,7 @@ import weakref
 from typing import Any, Callable
 
 from . import config
-from .backends import ClusterHandle, load_backend, peerslots
+from .backends import ClusterHandle, load_backend, peerslots, upcluster
 from .backends import address as address_rules
 from .backends.address import configured_address
 from .backends.upcluster import running_handle
@@ -62,6 +62,8 @@ __all__ = [
 ]
 
 _handle: ClusterHandle | None = None
+#: The embedded cluster starting in the background (:func:`start_embedded`).
+_starting: Starting | None = None
 _attached: dict[str, ClusterHandle] = {}
 _lock = threading.RLock()
 
@@ -139,7 +141,7 @@ def shutdown() -> None:
 
     Also runs at interpreter exit.  Attached clusters keep running.
     """
-    global _handle
+    global _handle, _starting
 
     with _lock:
         handles = list(_attached.values())
@@ -147,7 +149,14 @@ def shutdown() -> None:
             handles.append(_handle)
         _handle = None
         _attached.clear()
+        starting, _starting = _starting, None
     _run_hooks(_before_close)
+    if starting is not None:
+        # Still importing distributed: given up (no waiting on a background
+        # import at exit); already making the cluster: waited for, then closed.
+        h = starting.give_up(CLOSE_TIMEOUT)
+        if h is not None:
+            handles.append(h)
     for h in handles:
         _close_quietly(h)
     _run_hooks(_after_close)
@@ -235,10 +244,191 @@ def get_handle(*, client: Any = None, address: str | None = None) -> ClusterHand
                 _run_first_at_exit()
             return h
     with _lock:
-        if _handle is None:
+        if _handle is None and _starting is None:
             _handle = _resolve(None, None, None)
             _run_first_at_exit()
-        return _handle
+        if _handle is not None:
+            return _handle
+        starting = _starting
+    # The embedded cluster is starting in the background (the first pool's
+    # early slots run meanwhile): wait for it, outside the lock.
+    return starting.result()
+
+
+class Starting:
+    """The embedded cluster, starting on a thread of its own
+    (:func:`start_embedded`): what is known of it before it is up, and the
+    handle once it is.
+
+    A :class:`~fiber_dask.engine.poolengine.PoolEngine` given one instead of a
+    handle runs on early slots until the cluster is up
+    (:mod:`fiber_dask.engine.earlyslots`); anything else asking for the
+    cluster meanwhile (:func:`get_handle`) waits for it.
+    """
+
+    backend = "local"
+    owned = True
+    client = None
+
+    def __init__(
+        self,
+        listen_host: str,
+        planned_slots: int,
+        scheduler_address: str,
+        fork_server: Any,
+    ) -> None:
+        self.listen_host = listen_host
+        self.planned_slots = planned_slots
+        #: Where the scheduler will listen (its port picked before it starts,
+        #: so that processes started meanwhile know where to attach).
+        self.scheduler_address = scheduler_address
+        self.fork_server = fork_server
+        self.handle: ClusterHandle | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._phase = "importing"  # -> "starting" -> "done" | "given up"
+        self._callbacks: list[Callable[[], None]] = []
+        self._ready_hooks: list[Callable[[ClusterHandle], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> ClusterHandle:
+        """The handle once the cluster is up; raises what its start raised."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the embedded cluster is still starting")
+        if self.error is not None:
+            raise self.error
+        assert self.handle is not None
+        return self.handle
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (on the starting thread, or now) once it is done."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def add_ready_hook(self, fn: Callable[[ClusterHandle], None]) -> None:
+        """Call ``fn(handle)`` on the starting thread once the cluster is up,
+        before anything waiting for it (:meth:`result`) is let go: the first
+        pool claims its slots there, ahead of a pool made meanwhile.  Only
+        before the start ends."""
+        self._ready_hooks.append(fn)
+
+    def entering(self) -> bool:
+        """Asked by the backend once distributed is imported: go on and make
+        the cluster (True), or stop, the start having been given up."""
+        with self._lock:
+            if self._phase == "given up":
+                return False
+            self._phase = "starting"
+            return True
+
+    def give_up(self, timeout: float) -> ClusterHandle | None:
+        """At shutdown: give the start up if it has not begun making the
+        cluster (its fork server is stopped now; the thread's import is left
+        to the interpreter's exit); else wait up to ``timeout`` seconds for
+        it and return the handle, for the caller to close."""
+        with self._lock:
+            if self._phase == "importing":
+                self._phase = "given up"
+                server = self.fork_server
+            else:
+                server = None
+        if server is not None:
+            server.stop(timeout=0.05)  # busy importing: killed
+            return None
+        if self._done.wait(timeout) and self.error is None:
+            return self.handle
+        return None
+
+    def _run(self, start: Callable[[], ClusterHandle]) -> None:
+        global _handle, _starting
+        try:
+            h = start()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            h, self.error = None, e
+        if h is not None:
+            for hook in self._ready_hooks:
+                try:
+                    hook(h)
+                except Exception:  # pragma: no cover - a hook's own bug
+                    logging.getLogger(__name__).exception("fiber-dask: start hook")
+        with _lock:
+            if _starting is self:
+                _starting = None
+                if h is not None:
+                    _handle = h
+                    _run_first_at_exit()
+        with self._lock:
+            if self._phase != "given up":
+                self._phase = "done"
+            self.handle = h
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # pragma: no cover - a callback's own bug
+                logging.getLogger(__name__).exception("fiber-dask: start callback")
+
+
+def start_embedded(
+    planned_slots: int, scheduler_port: int, fork_server: Any
+) -> Starting | None:
+    """Start the embedded cluster on a thread of its own and return at once,
+    if this process has no cluster and the resolution order (module
+    docstring) would start one; else None (and nothing is started).
+
+    ``fork_server``: the worker fork server, already started (with the early
+    slot template it forks: :mod:`fiber_dask.engine.earlyslots`);
+    ``scheduler_port``: the port the scheduler is to listen on."""
+    global _starting
+
+    with _lock:
+        if _handle is not None or _starting is not None:
+            return None
+        privaterandom.isolate_dask()
+        starting = _starting = Starting(
+            "127.0.0.1",
+            planned_slots,
+            f"tcp://127.0.0.1:{scheduler_port}",
+            fork_server,
+        )
+        backend = load_backend("local")(  # fiber_dask.backends.local
+            fork_server=fork_server,
+            scheduler_port=scheduler_port,
+            entering=starting.entering,
+        )
+        threading.Thread(
+            target=starting._run,
+            args=(backend.start,),
+            name="fiber-cluster-start",
+            daemon=True,
+        ).start()
+        return starting
+
+
+def would_start_embedded() -> bool:
+    """Whether :func:`get_handle` would start the embedded cluster now: no
+    cluster bound, and none chosen by the configuration, the environment, a
+    running client or ``fiber-dask up``.  Raises what starting one would
+    (an unguarded main module)."""
+    if _handle is not None or _starting is not None:
+        return False
+    config.validate()
+    if config.get("backend") or configured_address()[0]:
+        return False
+    if _existing_client() is not None:
+        return False
+    if config.get("up.use") and upcluster.read_state() is not None:
+        return False  # `fiber-dask up` runs one: get_handle attaches to it
+    _check_not_bootstrapping()
+    mainguard.check()
+    return True
 
 
 def get_client(**kwargs: Any) -> Any:

@@ -60,6 +60,7 @@ __all__ = [
     "available_backends",
     "defaults",
     "describe_problems",
+    "distributed_setting",
     "describe_schema",
     "find_source",
     "get",
@@ -104,6 +105,36 @@ def get(key: str, override: Any = None) -> Any:
     8
     """
     return dask.config.get("fiber." + key, override_with=override)
+
+
+_distributed_defaults: dict | None = None
+
+
+def distributed_setting(key: str) -> Any:
+    """Dask's setting ``key`` (``distributed.*``), also before distributed is
+    imported: the user's value if set (YAML, ``DASK_*``), else distributed's
+    default, read from its ``distributed.yaml`` (distributed adds its defaults
+    to Dask's config only as it is imported, ~0.4 s that the embedded
+    cluster's start makes on a thread of its own)."""
+    global _distributed_defaults
+    try:
+        return dask.config.get(key)
+    except KeyError:
+        pass
+    if _distributed_defaults is None:
+        import importlib.util
+        import os
+
+        spec = importlib.util.find_spec("distributed")
+        if spec is None or not spec.origin:
+            raise KeyError(key)
+        path = os.path.join(os.path.dirname(spec.origin), "distributed.yaml")
+        with open(path) as f:
+            _distributed_defaults = load_yaml(f)
+    value: Any = _distributed_defaults
+    for part in key.split("."):
+        value = value[part]
+    return value
 
 
 def timedelta(key: str, override: Any = None) -> float:

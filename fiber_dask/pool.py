@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from . import cluster, config
+from .engine import earlyslots
 from .engine.poolengine import CLOSE, INIT, RUN, TERMINATE, PoolEngine  # noqa: F401  (as the stdlib)
 from .engine.poolresults import (
     ApplyResult,
@@ -162,11 +163,21 @@ class Pool:
             if initializer is not None
             else None
         )
-        handle = cluster.get_handle(client=client, address=address)
-        # A scheduler that was lost fails here, naming it, not in a loop later.
-        cluster.check_connected(handle)
-        if processes is None:
-            processes = cluster.task_slots(handle)
+        starting = None
+        if client is None and address is None:
+            # The first pool of a process with no cluster: its slots start
+            # while the embedded cluster does (fiber_dask.engine.earlyslots).
+            starting = earlyslots.start_cluster(processes, slot_kind, resources)
+        if starting is not None:
+            handle = starting
+            if processes is None:
+                processes = starting.planned_slots
+        else:
+            handle = cluster.get_handle(client=client, address=address)
+            # A scheduler that was lost fails here, naming it, not in a loop later.
+            cluster.check_connected(handle)
+            if processes is None:
+                processes = cluster.task_slots(handle)
         self._processes = processes
         self._engine = PoolEngine(
             handle,

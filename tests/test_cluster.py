@@ -382,12 +382,19 @@ def test_a_pool_the_embedded_cluster_can_never_start_is_refused_at_once(tmp_path
     # before anything starts, it leaves no claim: the next pool is as before.
     proc = run_script(
         """
-        import os, fiber_dask, psutil
+        import os, time, fiber_dask, psutil
         from fiber_dask import cluster
         from fiber_dask.errors import ClusterCapacityError
         if __name__ == "__main__":
             with fiber_dask.Pool(2) as pool:
                 assert pool.map(abs, [-1, -2]) == [1, 2]
+                # The first pool's first tasks may run on early slots while
+                # the cluster starts: count from when its own slots serve it.
+                cluster.get_handle()
+                deadline = time.monotonic() + 60
+                while not all(slot.worker for slot in pool._pool):
+                    assert time.monotonic() < deadline, "no cluster slots"
+                    time.sleep(0.01)
                 before = set(psutil.Process().children(recursive=True))
                 try:
                     fiber_dask.Pool(10**6)

@@ -10,7 +10,12 @@ from .. import config
 from .address import listen_host
 from .base import Backend, ClusterHandle
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "StartAbandoned"]
+
+
+class StartAbandoned(Exception):
+    """The embedded cluster's start was given up before the cluster was made
+    (the program exited while it started in the background)."""
 
 
 #: Dask timers the embedded cluster runs less often, as (key, Dask's default,
@@ -56,13 +61,29 @@ class LocalBackend(Backend):
 
     name = "local"
 
+    def __init__(
+        self,
+        *,
+        fork_server: Any = None,
+        scheduler_port: int = 0,
+        entering: Any = None,
+    ) -> None:
+        #: A worker fork server already started (the first pool's early slots
+        #: start from it: fiber_dask.engine.earlyslots), the scheduler's port
+        #: (0: a free one), and a callable asked, once distributed is
+        #: imported, whether to go on and start the cluster (False: the start
+        #: was given up, at the program's exit).
+        self._fork_server = fork_server
+        self._scheduler_port = scheduler_port
+        self._entering = entering
+
     def start(self, *, address: str | None = None) -> ClusterHandle:
         # First, before distributed is imported here: the process the worker
         # processes are forked from imports it on the other core meanwhile
         # (fiber_dask.backends.workerstart; None = spawn them, Dask's way).
         from . import workerstart
 
-        fork_server = workerstart.start()
+        fork_server = self._fork_server or workerstart.start()
         try:
             return self._start(fork_server)
         except BaseException:
@@ -75,6 +96,9 @@ class LocalBackend(Backend):
 
         with deferred():  # a first import of distributed is made whole
             from distributed import Client, LocalCluster
+
+        if self._entering is not None and not self._entering():
+            raise StartAbandoned("the embedded cluster's start was given up")
 
         n_workers = config.get("local.n-workers") or os.cpu_count() or 1
         threads = config.get("local.threads-per-worker")
@@ -120,7 +144,7 @@ class LocalBackend(Backend):
                 memory_limit=config.get("local.memory-limit"),
                 dashboard_address=config.get("local.dashboard-address"),
                 host="127.0.0.1",
-                scheduler_port=0,
+                scheduler_port=self._scheduler_port,
                 **extra,
             )
         try:

@@ -77,22 +77,40 @@ from typing import Any
 from ..launch import childsetup
 from ..transparency import interrupts
 
-__all__ = ["WorkerForkServer", "nanny_class", "start", "PRELOAD"]
+__all__ = [
+    "WorkerForkServer",
+    "EarlyTemplate",
+    "available",
+    "worker_env",
+    "nanny_class",
+    "start",
+    "PRELOAD",
+    "SLOT_PRELOAD",
+]
 
 logger = logging.getLogger(__name__)
 
-#: What the server imports before it serves (after the main module): what a
-#: Dask worker process started by a nanny imports before it registers.
-PRELOAD = [
+#: What the server imports first (after the main module): what a pool slot
+#: process needs.  An early slot template (:class:`EarlyTemplate`) is forked
+#: once these are in, before distributed's imports.
+SLOT_PRELOAD = [
     "fiber_dask",
     "fiber_dask.engine.slots",
     "fiber_dask.engine.slottask",
     "fiber_dask.engine.slotserver",  # and what a slot process imports
+    "fiber_dask.engine.poolworker",
+    "fiber_dask.launch.processchild",
     "fiber_dask.swap",
     "faulthandler",
     "multiprocessing.synchronize",
     "secrets",
     "cloudpickle",
+]
+
+#: What the server imports before it serves (after the main module): what a
+#: Dask worker process started by a nanny imports before it registers.
+PRELOAD = [
+    *SLOT_PRELOAD,
     "distributed",
     "distributed.nanny",
     "distributed.worker",
@@ -113,14 +131,62 @@ _current: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
 )
 
 
+class EarlyTemplate:
+    """Ask the server to fork a pool-slot template of the owner's as soon as it
+    has imported what slot processes need (:data:`SLOT_PRELOAD`), before
+    distributed: the first pool's slots then start while the cluster does
+    (:mod:`fiber_dask.engine.earlyslots`).  The template is the grandchild
+    of the owner, with the same imports and main-module state as the one a
+    Dask worker forks (:func:`fiber_dask.engine.slots.start_early`); the
+    owner talks to it over the two pipes made here (the template protocol of
+    :mod:`fiber_dask.engine.templateprotocol`), and it dies with the server
+    (``PR_SET_PDEATHSIG``) or when its request pipe is closed.
+
+    ``numpy``: preload numpy in the template (the owner has imported it, so
+    the tasks likely use it); else a task that imports it pays that in its
+    slot process.
+    """
+
+    def __init__(self, numpy: bool) -> None:
+        from ..transparency import resourcetracker
+
+        self.numpy = numpy
+        self.request_r, self.request_w = os.pipe()
+        self.report_r, self.report_w = os.pipe()
+        # The owner's resource tracker, which the slot processes then share
+        # (fiber_dask.transparency.resourcetracker), as a worker's slots share
+        # the worker's.
+        self.tracker_fd = resourcetracker.share()
+
+    def server_fds(self) -> tuple[int, ...]:
+        """The descriptors the server inherits (and closes once forked)."""
+        fds = (self.request_r, self.report_w)
+        return fds if self.tracker_fd is None else (*fds, self.tracker_fd)
+
+    def sent(self) -> None:
+        """The server has its copies: close the owner's ends the owner does not use."""
+        for fd in (self.request_r, self.report_w):
+            os.close(fd)
+        self.request_r = self.report_w = -1
+
+    def discard(self) -> None:
+        """No server took it: close every end still open."""
+        for name in ("request_r", "request_w", "report_r", "report_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
 class WorkerForkServer(forkserver.ForkServer):
     """A forkserver of our own (not the stdlib's process-wide one), started as a
     fresh interpreter with :data:`PRELOAD` imported and a spawned worker's
-    environment."""
+    environment (and, asked to, an :class:`EarlyTemplate` forked on the way)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], early: EarlyTemplate | None = None) -> None:
         super().__init__()
         self.env = env
+        self.early = early
         self.failed = False
         self._proc: Any = None
         self.context = _Context(self)
@@ -176,15 +242,26 @@ class WorkerForkServer(forkserver.ForkServer):
                     env = {**os.environ, **self.env}
                     # The server must import this very fiber_dask.
                     env["PYTHONPATH"] = childsetup.pythonpath_with_package(env)
+                    # Only the first start carries the early template: a
+                    # server started again (the first died) forks none.
+                    early, self.early = self.early, None
+                    early_fds = early.server_fds() if early is not None else ()
+                    early_args = (
+                        None
+                        if early is None
+                        else (*early_fds[:2], early.tracker_fd, early.numpy)
+                    )
                     proc = subprocess.Popen(
                         args,
                         stdin=subprocess.PIPE,
-                        pass_fds=(listener.fileno(), alive_r),
+                        pass_fds=(listener.fileno(), alive_r, *early_fds),
                         env=env,
                         close_fds=True,
                     )
+                    if early is not None:
+                        early.sent()
                     try:
-                        pickle.dump((prep, PRELOAD), proc.stdin)
+                        pickle.dump((prep, PRELOAD, early_args), proc.stdin)
                         proc.stdin.close()
                     except OSError:  # it died at once: no server, then
                         proc.kill()
@@ -254,7 +331,7 @@ def serve(listener_fd: int, alive_r: int) -> None:
     interrupts.cluster_process()  # already, from the command line on
     code = 0
     try:
-        prep, preload = pickle.load(sys.stdin.buffer)
+        prep, preload, early = pickle.load(sys.stdin.buffer)
         try:
             process.current_process()._inheriting = True  # as spawn._main
             try:
@@ -263,15 +340,88 @@ def serve(listener_fd: int, alive_r: int) -> None:
                 del process.current_process()._inheriting
             for name in preload:
                 __import__(name)
+                if early is not None and name == SLOT_PRELOAD[-1]:
+                    _fork_early_template(*early)
+                    early = None
         except BaseException:  # noqa: BLE001 - the spawned workers report it
             code = 3
             return
+        finally:
+            if early is not None:  # not forked: the owner reads EOF at once
+                _close_early(*early)
         if len(os.listdir("/proc/self/task")) != 1:
             code = 4
             return
+        import warnings
+
+        # The early slot template is this process's child too, which the
+        # stdlib's loop did not fork: it reaps it when it ends, and says so.
+        warnings.filterwarnings(
+            "ignore", "forkserver: waitpid returned unexpected pid", UserWarning
+        )
         forkserver.main(listener_fd, alive_r, [], None, None)
     finally:
         os._exit(code)
+
+
+def _close_early(request_r: int, report_w: int, tracker_fd: int | None, numpy: bool):
+    for fd in (request_r, report_w, tracker_fd):
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _fork_early_template(
+    request_r: int, report_w: int, tracker_fd: int | None, numpy: bool
+) -> None:
+    """In the server, single-threaded, the slot modules imported: fork the
+    owner's early slot template (:class:`EarlyTemplate`), then close the
+    server's copies of its pipes.  If this process is not single-threaded (the
+    main module started a thread), none is forked: the owner reads EOF on the
+    report pipe and its pool waits for the cluster's slots."""
+    try:
+        if len(os.listdir("/proc/self/task")) == 1:
+            if numpy:
+                try:
+                    import numpy as _np  # noqa: F401
+                    import numpy.random  # noqa: F401
+                except ImportError:
+                    pass
+            parent, owner = os.getpid(), os.getppid()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    if tracker_fd is not None:
+                        resource_tracker._resource_tracker._fd = tracker_fd
+                    # What a worker forked from here has, and so the slots its
+                    # template forks: a process started with the forkserver
+                    # method defaults to it (BaseProcess._bootstrap).
+                    import multiprocessing
+
+                    multiprocessing.set_start_method("forkserver", force=True)
+                    # And, as there, the owner as its parent process (its
+                    # sentinel, like a worker's, is not kept by the slots).
+                    multiprocessing.process._parent_process = (
+                        multiprocessing.process._ParentProcess(
+                            "MainProcess", owner, request_r
+                        )
+                    )
+                    from ..engine import slots
+
+                    code = slots._forked_template(
+                        parent, request_r, report_w, tracker_fd, numpy=numpy
+                    )
+                except BaseException:  # noqa: BLE001 - say it, then end
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+    finally:
+        _close_early(request_r, report_w, tracker_fd, numpy)
 
 
 #: Why the server exited, by its exit code (:func:`serve`).
@@ -405,17 +555,8 @@ def _spawn_env() -> dict[str, str]:
 
     from .. import config
 
-    defaults: dict = {}
     try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("distributed")
-        if spec is not None and spec.origin:
-            path = os.path.join(os.path.dirname(spec.origin), "distributed.yaml")
-            with open(path) as f:
-                defaults = config.load_yaml(f)["distributed"]["nanny"][
-                    "pre-spawn-environ"
-                ]
+        defaults = config.distributed_setting("distributed.nanny.pre-spawn-environ")
     except (OSError, KeyError, TypeError, ValueError):
         defaults = {}
     env = {
@@ -428,20 +569,44 @@ def _spawn_env() -> dict[str, str]:
     return env
 
 
-def start() -> WorkerForkServer | None:
-    """Start a server for the embedded cluster's workers now, or None where
-    workers should be spawned (configured so, or it cannot start)."""
+def worker_env() -> dict[str, str]:
+    """The variables a nanny adds to its worker process's environment
+    (``distributed.nanny.pre-spawn-environ`` and ``distributed.nanny.environ``,
+    a value already in this process's environment winning, as
+    distributed.nanny's rule has it), read without importing distributed: what
+    a slot process started outside a worker must add to look like one."""
+    from .. import config
 
+    env = _spawn_env()
+    try:
+        extra = config.distributed_setting("distributed.nanny.environ") or {}
+    except (OSError, KeyError, TypeError, ValueError):
+        extra = {}
+    env.update({str(k): str(v) for k, v in extra.items() if v is not None})
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
+def available() -> bool:
+    """Whether the embedded cluster's workers are to be forked from a server
+    (the configuration and the platform allow it)."""
     from .. import config
 
     if config.get("local.worker-start") != "forkserver":
-        return None
+        return False
     if _dask_method() != "spawn":
-        return None  # the user chose Dask's method; keep it
-    if not hasattr(socket, "AF_UNIX") or not context.reduction.HAVE_SEND_HANDLE:
+        return False  # the user chose Dask's method; keep it
+    return hasattr(socket, "AF_UNIX") and context.reduction.HAVE_SEND_HANDLE
+
+
+def start(early: EarlyTemplate | None = None) -> WorkerForkServer | None:
+    """Start a server for the embedded cluster's workers now, or None where
+    workers should be spawned (configured so, or it cannot start).  ``early``:
+    have it fork that slot template on its way (None returned: it was not
+    taken; the caller discards it)."""
+    if not available():
         return None
     try:
-        server = WorkerForkServer(_spawn_env())
+        server = WorkerForkServer(_spawn_env(), early)
         server.ensure_running()
     except (OSError, ValueError) as e:
         logger.warning(

@@ -67,6 +67,7 @@ from ..comm import channel, security
 from ..errors import PoolTerminatedError, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats
+from .earlyslots import EarlySlots
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
 from .poolresults import MapResult, measured_chunksize
@@ -258,6 +259,9 @@ class PoolSlot:
         engine = self._engine
         if engine.state not in (RUN, CLOSE):
             return False
+        early = engine._early
+        if early is not None and early.starting_at(self._position):
+            return True
         return engine._loops.starting_at(self._position)
 
     @property
@@ -332,7 +336,14 @@ class PoolEngine:
         self.processes = processes
         self._handle = handle
         self._client = handle.client
-        self._address = cluster.scheduler_address(handle)
+        #: The first pool's early slots while the embedded cluster starts
+        #: (handle is then a cluster.Starting: fiber_dask.engine.earlyslots).
+        self._early: EarlySlots | None = None
+        if isinstance(handle, cluster.Starting):
+            self._address = handle.scheduler_address
+            self._early = EarlySlots(self, handle)
+        else:
+            self._address = cluster.scheduler_address(handle)
         self._init_blob = init_blob
         self._maxtasks = maxtasks
         self._resources = resources
@@ -341,9 +352,9 @@ class PoolEngine:
         self._prefetch = config.timedelta("pool.prefetch")
         allowed = config.get("pool.allowed-failures")
         if allowed is None:
-            import dask
-
-            allowed = dask.config.get("distributed.scheduler.allowed-failures")
+            allowed = config.distributed_setting(
+                "distributed.scheduler.allowed-failures"
+            )
         self._allowed_failures = int(allowed)
         #: Worker losses with no chunk finishing in between, beyond which the
         #: running jobs fail: workers die under the pool faster than it works.
@@ -414,25 +425,67 @@ class PoolEngine:
             functools.partial(_on_connect, weakref.ref(self)),
             inline=True,
         )
-        try:
-            # Refuses, at once, a pool the cluster can never start.
-            self._loops.claim_slots()
-        except BaseException:
-            self.state = TERMINATE
-            self._release()
-            raise
-        self.state = RUN
-        _live.add(self)
-        try:
-            self._loops.submit(range(self.processes))
-        except BaseException:
-            self.state = TERMINATE
-            self._release()
-            raise
+        if self._early is not None:
+            # The cluster is starting: early slots now, the loops' Dask tasks
+            # once it is up (_adopt_handle, from the result thread).
+            self.state = RUN
+            _live.add(self)
+            try:
+                self._early.start()
+            except BaseException:
+                self.state = TERMINATE
+                self._release()
+                raise
+        else:
+            try:
+                # Refuses, at once, a pool the cluster can never start.
+                self._loops.claim_slots()
+            except BaseException:
+                self.state = TERMINATE
+                self._release()
+                raise
+            self.state = RUN
+            _live.add(self)
+            try:
+                self._loops.submit(range(self.processes))
+            except BaseException:
+                self.state = TERMINATE
+                self._release()
+                raise
         self._thread = threading.Thread(
             target=self._run, name="fiber-pool-results", daemon=True
         )
         self._thread.start()
+        if self._early is None:
+            poolstats.watch(self)
+
+    def _adopt_handle(self, handle: Any) -> bool:
+        """The embedded cluster this pool's early slots ran beside is up
+        (:mod:`fiber_dask.engine.earlyslots`; on the cluster's starting
+        thread): take its handle and claim the slots, unless the pool has no
+        more work to give them (closed and done, or terminated).  True if its
+        loops are to be submitted."""
+        with self._lock:
+            self._handle = handle
+            self._client = handle.client
+            self._address = cluster.scheduler_address(handle)
+            done = (
+                self.state == TERMINATE
+                or self._released
+                or (self.state == CLOSE and not self._cache)
+            )
+        if done:
+            return False
+        try:
+            self._loops.claim_slots()
+        except Exception as exc:
+            self._break(exc)
+            return False
+        return True
+
+    def _started_on_cluster(self) -> None:
+        """On the result thread, after :meth:`_adopt_handle` claimed the
+        slots: report the pool to the scheduler from now on."""
         poolstats.watch(self)
 
     def slots(self) -> list[PoolSlot]:
@@ -829,8 +882,19 @@ class PoolEngine:
             if late:
                 link.send([(n, proto.STOP)])
             position = self._loops.attached(n)
+            early = self._early
             if position is not None:
+                held = self._peer_at.get(position)
                 self._peer_at[position] = peer
+                if held is not None and early is not None and early.is_early(held.loop):
+                    early.retire(held)  # the cluster's loop takes over here
+            elif early is not None:
+                position = early.position_of(n)
+                if position is not None:
+                    if early.handing_over() or position in self._peer_at:
+                        early.retire(peer)  # the cluster is up: only the init
+                    if position not in self._peer_at:
+                        self._peer_at[position] = peer
             self._file(peer)
             self._dispatch()
 
@@ -908,7 +972,8 @@ class PoolEngine:
         for link in dropped:
             self._link_lost(link)
         self._take_connections()
-        self._loops.maintain()
+        if self._early is None or self._early.take_cluster():
+            self._loops.maintain()
         return True
 
     def _should_continue(self) -> bool:
@@ -998,6 +1063,8 @@ class PoolEngine:
             for pos, p in list(self._peer_at.items()):
                 if p is peer:
                     del self._peer_at[pos]
+            if self._early is not None:
+                self._early.gone(peer.loop)
             self._file(peer)
             if self.state == TERMINATE or self._released:
                 return
@@ -1048,7 +1115,8 @@ class PoolEngine:
                 logger.log(
                     logging.INFO if peer.interrupted else logging.WARNING,
                     "fiber-dask: a pool worker (%s, pid %s) %s; re-running %d chunk(s)",
-                    peer.worker,
+                    peer.worker
+                    or ("an early slot" if self._early is not None else None),
                     peer.pid,
                     "was interrupted (SIGINT)" if peer.interrupted else "died",
                     len(back),
@@ -1128,6 +1196,8 @@ class PoolEngine:
             self._peer_at.clear()
             self._load_index.clear()
         poolstats.unwatch(self)
+        if self._early is not None:
+            self._early.close()
         self._server.unregister(self._service)
         for conn in conns:
             channel.hangup(conn)
@@ -1174,7 +1244,9 @@ def _stop_all_at_exit() -> None:
         if thread is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
     while time.monotonic() < deadline and any(
-        e._loops.running() for e in engines if e._client.status == "running"
+        e._loops.running()
+        for e in engines
+        if e._client is not None and e._client.status == "running"
     ):
         time.sleep(0.01)
     for engine in engines:

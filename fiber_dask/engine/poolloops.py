@@ -172,7 +172,8 @@ class Loops:
     def running(self) -> bool:
         """A connected loop's Dask task has not ended yet (after it hung up,
         a moment before the worker reports it finished)."""
-        if self.engine._client.status != "running":
+        client = self.engine._client
+        if client is None or client.status != "running":  # None: not up yet
             return False
         return any(
             f.status == "pending"
@@ -182,7 +183,8 @@ class Loops:
 
     def starting(self) -> bool:
         """A loop's Dask task is pending and has not connected yet."""
-        if self.engine._client.status != "running":
+        client = self.engine._client
+        if client is None or client.status != "running":  # None: not up yet
             return False
         return any(
             f.status == "pending"

@@ -168,15 +168,38 @@ class Template:
     fresh interpreter (``python -m fiber_dask.engine.slotserver``).
     """
 
-    def __init__(self, fork_here: bool = False) -> None:
+    @classmethod
+    def over_pipes(cls, request_w: int, report_r: int) -> Template:
+        """A handle on a template another process started for this one (the
+        embedded cluster's worker fork server forks the first pool's,
+        :class:`fiber_dask.backends.workerstart.EarlyTemplate`): requests go
+        to ``request_w``, reports come from ``report_r``, and it is not this
+        process's child (nothing to reap)."""
+        self = cls.__new__(cls)
+        self._setup()
+        self.proc = _HandedTemplate(request_w)
+        self.ready.set()
+        self.thread = threading.Thread(
+            target=self._read_reports,
+            args=(report_r,),
+            name="fiber-slot-template",
+            daemon=True,
+        )
+        self.thread.start()
+        return self
+
+    def _setup(self) -> None:
         self.lock = threading.Lock()
         self.forks: dict[int, _Fork] = {}
         self.next_id = 0
-        self.proc: subprocess.Popen | _ForkedTemplate | None = None
+        self.proc: subprocess.Popen | _ForkedTemplate | _HandedTemplate | None = None
         self.dead = False
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.forked = False
+
+    def __init__(self, fork_here: bool = False) -> None:
+        self._setup()
         if fork_here and _single_threaded():
             # The thread that forks is this process's main thread (start_early
             # runs as the main module is imported): the template's
@@ -369,6 +392,19 @@ class _ForkedTemplate:
         return os.waitstatus_to_exitcode(status)
 
 
+class _HandedTemplate:
+    """A template that is not this process's child (:meth:`Template.over_pipes`):
+    its request pipe, and nothing to wait for."""
+
+    pid = None
+
+    def __init__(self, request_w: int) -> None:
+        self.stdin = os.fdopen(request_w, "wb", buffering=0)
+
+    def wait(self) -> int:
+        return -1  # its parent (the worker fork server) reaps it
+
+
 def _single_threaded() -> bool:
     """Whether this process has one OS thread (native ones counted): only then
     is a fork safe.  False where that cannot be told (no ``/proc``)."""
@@ -379,7 +415,12 @@ def _single_threaded() -> bool:
 
 
 def _forked_template(
-    parent: int, request_fd: int, report_fd: int, tracker_fd: int | None = None
+    parent: int,
+    request_fd: int,
+    report_fd: int,
+    tracker_fd: int | None = None,
+    *,
+    numpy: bool = True,
 ) -> int:
     """In the child of :meth:`Template._fork`: become the template process.
 
@@ -409,7 +450,7 @@ def _forked_template(
     _template_lock = threading.Lock()  # held by the forking get_template()
     from . import slotserver
 
-    return slotserver.serve(request_fd, report_fd, parent)
+    return slotserver.serve(request_fd, report_fd, parent, numpy=numpy)
 
 
 _template: Template | None = None

@@ -44,7 +44,7 @@ def _die_with_parent(expected_ppid: int | None) -> None:
         os._exit(1)  # the parent is already gone
 
 
-def _preload() -> None:
+def _preload(numpy: bool = True) -> None:
     # Everything a slot process imports before its first task, paid once here
     # instead of in every slot process.
     import cloudpickle  # noqa: F401
@@ -58,6 +58,8 @@ def _preload() -> None:
     # The first getaddrinfo() on a str host imports the idna codec and compiles
     # its regexes: 5-10 ms in every slot process's connect, were it left to them.
     "localhost".encode("idna")
+    if not numpy:
+        return  # the early template of an owner without numpy: its tasks pay it
     try:
         import numpy  # noqa: F401
         import numpy.random  # noqa: F401  (lazy in numpy 2; each slot reseeds it)
@@ -241,11 +243,16 @@ def main() -> int:
     return serve(os.dup(0), int(sys.argv[1]), int(expected) if expected else None)
 
 
-def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
+def serve(
+    request_fd: int, report_fd: int, expected_ppid: int | None, *, numpy: bool = True
+) -> int:
     """Be the template: requests on ``request_fd``, reports on ``report_fd``.
 
     Run by :func:`main` in a fresh interpreter, or in a child forked from the
-    single-threaded Dask worker process (:func:`fiber_dask.engine.slots.start_early`).
+    single-threaded Dask worker process (:func:`fiber_dask.engine.slots.start_early`)
+    or from the embedded cluster's worker fork server (the first pool's early
+    template, :mod:`fiber_dask.engine.earlyslots`; ``numpy``: False when its
+    owner has not imported numpy).
     """
     _die_with_parent(expected_ppid)
     from fiber_dask.transparency import interrupts
@@ -254,7 +261,7 @@ def serve(request_fd: int, report_fd: int, expected_ppid: int | None) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    _preload()
+    _preload(numpy)
 
     from fiber_dask.engine.slotpipe import FrameReader
     from fiber_dask.engine.templateprotocol import REQUESTS, decode

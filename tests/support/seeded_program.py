@@ -52,7 +52,7 @@ def settle(times: int = 2) -> None:
         return
     from fiber_dask import cluster
 
-    scheduler = cluster.current_handle().cluster.scheduler
+    scheduler = cluster.get_handle().cluster.scheduler  # waits for its start
     store = scheduler.extensions.get("fiber-pools")
 
     def marks():
