@@ -138,6 +138,9 @@ class SlotSpec:
     worker_address: str | None
     env: dict[str, str]
     kill_after: float = TERMINATE_GRACE
+    #: The relay's address and this keeper's token (slotrelay), or None: the
+    #: slot process dials the owner itself.
+    relay: tuple[Any, bytes] | None = None
 
 
 # ---------------------------------------------------------------- the template
@@ -550,7 +553,7 @@ def keep(
     by the template at once (``Restarted``), or here when that failed.
     """
     from ..launch.launcher import child_env
-    from .poolprotocol import Reason
+    from . import slotrelay
 
     worker_address = getattr(worker, "address", None)
     try:
@@ -568,6 +571,27 @@ def keep(
     spec = SlotSpec(
         address, authkey, service, slot, init_blob, maxtasks, worker_address, env
     )
+    hold = None
+    try:
+        relay = slotrelay.get_relay()
+    except OSError as e:  # no Unix socket here: each slot process dials
+        logger.debug("fiber-dask: no slot relay (%r); slots dial the owner", e)
+    else:
+        hold = relay.open(address, authkey, service, slot, worker_address)
+        if isinstance(hold, str):
+            return hold  # the pool is gone or unreachable: no slot process
+        spec.relay = hold.ticket
+    try:
+        return _keep(spec)
+    finally:
+        if hold is not None:
+            hold.close()
+
+
+def _keep(spec: SlotSpec) -> str:
+    """Keep ``spec``'s slot process running; why the slot ended."""
+    from .poolprotocol import Reason
+
     while True:
         try:
             template = get_template()
