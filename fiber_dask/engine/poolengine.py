@@ -66,7 +66,7 @@ from .. import cluster, config
 from ..comm import channel, security
 from ..errors import PoolTerminatedError, WorkerLostError
 from . import poolprotocol as proto
-from . import poolstats
+from . import poolstats, slotrelay
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
 from .poolresults import MapResult, measured_chunksize
@@ -343,6 +343,8 @@ class PoolEngine:
         self._resources = resources
         self._retries = retries
         self._slot_kind = slot_kind
+        #: Process slots reach this owner through their worker's relay.
+        self._relay = slotrelay.wanted(processes)
         self._prefetch = config.timedelta("pool.prefetch")
         allowed = config.get("pool.allowed-failures")
         if allowed is None:

@@ -543,8 +543,13 @@ def keep(
     init_blob: bytes | None,
     maxtasks: int | None,
     worker: Any = None,
+    relay: bool = False,
 ) -> str:
     """Body of a pool-slot Dask task in process mode: keep one slot process running.
+
+    ``relay``: the slot process reaches the owner through this process's
+    relay (:mod:`fiber_dask.engine.slotrelay`), which this keeper joins to
+    the pool's link first; else it dials the owner itself.
 
     Returns why the slot ended, as :func:`fiber_dask.engine.poolworker.serve_slot`
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
@@ -573,11 +578,12 @@ def keep(
     )
     hold = None
     try:
-        relay = slotrelay.get_relay()
-    except OSError as e:  # no Unix socket here: each slot process dials
+        relayer = slotrelay.get_relay() if relay else None
+    except OSError as e:  # no Unix socket here: the slot process dials
         logger.debug("fiber-dask: no slot relay (%r); slots dial the owner", e)
-    else:
-        hold = relay.open(address, authkey, service, slot, worker_address)
+        relayer = None
+    if relayer is not None:
+        hold = relayer.open(address, authkey, service, slot, worker_address)
         if isinstance(hold, str):
             return hold  # the pool is gone or unreachable: no slot process
         spec.relay = hold.ticket
