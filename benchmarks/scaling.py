@@ -167,6 +167,15 @@ class Engine:
     def teardown(self) -> None:
         self.close()
 
+    def owner_mark(self) -> Any:
+        """Before the timed iterations: what :meth:`owner_cost` compares with."""
+        return None
+
+    def owner_cost(self, mark: Any) -> dict[str, float] | None:
+        """After them: the pool owner's connections and CPU per chunk since
+        ``mark`` (None for engines that do not say)."""
+        return None
+
 
 class _PoolEngine(Engine):
     """An engine whose slots are one ``Pool`` (``self.pool``), opened anew per
@@ -229,6 +238,35 @@ class FiberDaskEngine(_PoolEngine):
             self.close()
         finally:
             self.fd.shutdown()
+
+    def owner_mark(self) -> Any:
+        e = self.pool._engine
+        return _thread_cpu(e._thread.native_id), next(e._ckeys)
+
+    def owner_cost(self, mark: Any) -> dict[str, float] | None:
+        # The result thread's CPU (dispatching, reading, settling: the owner's
+        # work for the pool, not the ES arithmetic of the main thread) per
+        # chunk sent, and the connections the owner holds (one per worker
+        # process with thread slots or the relay, one per slot process
+        # without).
+        e = self.pool._engine
+        cpu, ckey = _thread_cpu(e._thread.native_id), next(e._ckeys)
+        chunks = max(1, ckey - mark[1] - 1)
+        return {
+            "connections": len(e._links),
+            "owner_cpu_us_per_chunk": (cpu - mark[0]) / chunks * 1e6,
+            "chunks": chunks,
+        }
+
+
+def _thread_cpu(native_id: int) -> float:
+    """Seconds of CPU thread ``native_id`` of this process used (Linux)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class MultiprocessingEngine(_PoolEngine):
@@ -431,6 +469,8 @@ class Benchmark(Harness):
         ]
         self.times: dict[tuple[str, int], list[float]] = {}  # per iteration
         self.startups: dict[tuple[str, int], list[float]] = {}
+        #: fiber_dask's owner: connections and CPU per chunk (owner_cost).
+        self.owners: dict[tuple[str, int], list[dict]] = {}
 
     def ideal(self, slots: int) -> float:
         a = self.args
@@ -472,11 +512,13 @@ class Benchmark(Harness):
             rng = np.random.default_rng([a.seed, r])
             timed(partial(es_iteration, eng.map, theta, rng, warm), a.timeout)
             times = []
+            mark = eng.owner_mark()
             for _ in range(a.iterations):
                 dt, theta = timed(
                     partial(es_iteration, eng.map, theta, rng, a), a.timeout
                 )
                 times.append(dt)
+            owner = eng.owner_cost(mark)
             self.check_same_result((slots, r), theta)
         except Exception as e:
             self.fail(eng, f"{slots} slots", e)
@@ -490,10 +532,17 @@ class Benchmark(Harness):
         startup = getattr(eng, "startup", float("nan"))
         self.startups.setdefault((eng.name, slots), []).append(startup)
         med = median(times)
+        said = ""
+        if owner is not None:
+            self.owners.setdefault((eng.name, slots), []).append(owner)
+            said = (
+                f"  owner: {owner['connections']} connections, "
+                f"{owner['owner_cpu_us_per_chunk']:.0f} us CPU/chunk"
+            )
         log(
             f"[{r + 1}/{a.repeats}] {slots:4d} slots  {eng.name:<15} "
             f"{med:7.3f} s/it  efficiency {self.ideal(slots) / med:5.1%}  "
-            f"startup {startup:6.2f} s",
+            f"startup {startup:6.2f} s{said}",
             a.quiet,
         )
 
@@ -584,6 +633,9 @@ class Benchmark(Harness):
                     },
                     "startup_s": {
                         str(s): self.startups.get((e.name, s), []) for s in a.slots
+                    },
+                    "owner": {
+                        str(s): self.owners.get((e.name, s), []) for s in a.slots
                     },
                 }
             ),

@@ -308,6 +308,14 @@ def test_a_task_that_kills_its_process_costs_only_a_rerun(client, tmp_path, how)
     workers = client.run(os.getpid)
     path = str(tmp_path / "runs")
     with fiber_dask.Pool(2, client=client) as pool:
+        # Both slots first: a slot attaching late leaves the first one all
+        # the chunks after its first in one Calls, and a chunk answered with
+        # a later one when the crash cut both runs again (poolprotocol's
+        # lost_chunks: which of them ran cannot be told).
+        wait_until(
+            lambda: sum(s.is_alive() for s in pool._pool) == 2,
+            what="both slots to attach",
+        )
         result = pool.starmap(
             crash_once, [(x, path, how) for x in range(8)], chunksize=1
         )

@@ -66,7 +66,7 @@ from .. import cluster, config
 from ..comm import channel, security
 from ..errors import PoolTerminatedError, WorkerLostError
 from . import poolprotocol as proto
-from . import poolstats
+from . import poolstats, slotrelay
 from .earlyslots import EarlySlots
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
@@ -215,6 +215,7 @@ class _Peer:
         "pid",
         "worker",
         "loop",
+        "route",
         "retiring",
         "broken",
         "filed",
@@ -222,16 +223,20 @@ class _Peer:
         "interrupted",
     )
 
-    def __init__(self, link: _Link, loop: int, hello: proto.Attach):
+    def __init__(self, link: _Link, route: int, hello: proto.Attach):
         self.link = link
-        self.key = (link, loop)  # in PoolEngine._peers
+        self.key = (link, route)  # in PoolEngine._peers
+        #: The number its link's frames name it by: the loop's, or a relay's
+        #: route to the slot process now serving the loop (poolprotocol).
+        self.route = route
         #: Chunks sent and not answered, in send order (poolprotocol's
         #: lost_chunks tells which may have run when the loop is lost).
         self.inflight: dict[int, _Chunk] = {}
         self.funcs = proto.PeerFunctions()
         self.pid = hello.pid
         self.worker = hello.worker
-        self.loop = loop
+        #: The loop's number in the pool (Loops': its Dask task and position).
+        self.loop = route if hello.slot is None else hello.slot
         self.retiring = False
         self.broken = False
         self.filed: int | None = None  # its key in PoolEngine._load_index, if any
@@ -349,6 +354,8 @@ class PoolEngine:
         self._resources = resources
         self._retries = retries
         self._slot_kind = slot_kind
+        #: Process slots reach this owner through their worker's relay.
+        self._relay = slotrelay.wanted(processes)
         self._prefetch = config.timedelta("pool.prefetch")
         allowed = config.get("pool.allowed-failures")
         if allowed is None:
@@ -659,7 +666,7 @@ class PoolEngine:
             routed = []
             for peer, batches in sends:
                 for batch in batches:
-                    routed.append((peer.loop, self._calls(batch)))
+                    routed.append((peer.route, self._calls(batch)))
             if link.send(routed, shared.get(link)):
                 continue
             # The loops are gone; the result thread will see the link's EOF.
@@ -816,7 +823,7 @@ class PoolEngine:
         frame per link; a link that is gone is left to the result thread."""
         frames: dict[_Link, list] = {}
         for peer in peers:
-            frames.setdefault(peer.link, []).append((peer.loop, msg))
+            frames.setdefault(peer.link, []).append((peer.route, msg))
         for link, routed in frames.items():
             link.send(routed)
 
@@ -881,7 +888,7 @@ class PoolEngine:
             peer = self._peers[(link, n)] = link.peers[n] = _Peer(link, n, hello)
             if late:
                 link.send([(n, proto.STOP)])
-            position = self._loops.attached(n)
+            position = self._loops.attached(peer.loop)
             early = self._early
             if position is not None:
                 held = self._peer_at.get(position)
@@ -889,7 +896,7 @@ class PoolEngine:
                 if held is not None and early is not None and early.is_early(held.loop):
                     early.retire(held)  # the cluster's loop takes over here
             elif early is not None:
-                position = early.position_of(n)
+                position = early.position_of(peer.loop)
                 if position is not None:
                     if early.handing_over() or position in self._peer_at:
                         early.retire(peer)  # the cluster is up: only the init
@@ -1058,8 +1065,8 @@ class PoolEngine:
                 return  # already lost
             self._stats.lost(peer)
             del self._peers[peer.key]
-            if peer.link.peers.get(peer.loop) is peer:
-                del peer.link.peers[peer.loop]
+            if peer.link.peers.get(peer.route) is peer:
+                del peer.link.peers[peer.route]
             for pos, p in list(self._peer_at.items()):
                 if p is peer:
                     del self._peer_at[pos]

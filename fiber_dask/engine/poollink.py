@@ -160,6 +160,13 @@ class Link:
             return
         self._queue.put((loop, msg))
 
+    def send_now(self, routed: list) -> None:
+        """Send ``routed`` (``(loop, message)`` pairs) in one frame from this
+        thread, now (a relay's thread, handing on what its slot processes
+        sent).  Never raises, as :meth:`post`."""
+        with self._send_lock:
+            self._send(routed)
+
     def _send(self, routed: list) -> None:
         """Send ``routed`` in one frame (call with the send lock held)."""
         if self._broken:
@@ -280,7 +287,10 @@ class Link:
         self._closing = True
         self.ready.set()
 
-    def _add(self, loop: int, deliver: Deliver) -> bool:
+    def add(self, loop: int, deliver: Deliver) -> bool:
+        """Join ``loop`` to this link, which is up (a relay's route for a
+        slot process, :mod:`fiber_dask.engine.slotrelay`): False if it is
+        closing.  The loop leaves with :meth:`detach`."""
         with self._lock:
             if self._closing:
                 return False
@@ -288,11 +298,14 @@ class Link:
             self._users += 1
             return True
 
-    def detach(self, loop: int, reason: str) -> None:
-        """``loop`` ends: tell the owner why (``Gone``); the last loop out
-        stops the sender thread (after what it holds) and hangs the link up."""
-        self.post(loop, proto.Gone(reason))  # before it leaves: the last
-        # loop out then finds every other loop's Gone queued before its own
+    def detach(self, loop: int, reason: str | None) -> None:
+        """``loop`` ends: tell the owner why (``Gone``; None: it was told, or
+        ``loop`` is a keeper's hold on the link that the owner never knew,
+        see :mod:`fiber_dask.engine.slotrelay`); the last loop out stops the
+        sender thread (after what it holds) and hangs the link up."""
+        if reason is not None:
+            self.post(loop, proto.Gone(reason))  # before it leaves: the last
+            # loop out then finds every other loop's Gone queued before its own
         with _links_lock:
             with self._lock:
                 self._routes.pop(loop, None)
@@ -368,6 +381,8 @@ def attach(
     loop: int,
     worker: str | None,
     deliver: Deliver,
+    dial: Callable[[], Any] | None = None,
+    announce: bool = True,
 ) -> Link | str:
     """Join loop number ``loop`` to this process's link to the pool
     ``service`` at ``address``, dialling it if there is none: the
@@ -376,6 +391,11 @@ def attach(
 
     ``deliver(msg)`` is called on the link's receiver thread with each
     message for this loop, in order, and with None when the link drops.
+    ``dial()``: how to reach the owner, a connection or the reason text why
+    not (default :func:`connect_to_owner`; a slot process behind a relay
+    dials the relay, :func:`fiber_dask.engine.slotrelay.connect`).
+    ``announce``: say ``Attach`` for the loop (False: a keeper holding the
+    link for the slot processes it relays, which attach themselves).
     """
     key = (tuple(address), service, authkey)
     while True:
@@ -386,7 +406,10 @@ def attach(
                 link = _links[key] = Link(key)
         if dialler:
             try:
-                conn = connect_to_owner(address, authkey, service, worker)
+                if dial is None:
+                    conn = connect_to_owner(address, authkey, service, worker)
+                else:
+                    conn = dial()
             except BaseException as e:
                 # A wrong key, a TLS mismatch: this loop's task fails with
                 # it, and every loop waiting for this dial fails counted.
@@ -400,8 +423,9 @@ def attach(
             link.ready.wait()
         if link.failure is not None:
             return link.failure
-        if link._add(loop, deliver):
-            link.post(loop, proto.Attach(os.getpid(), worker))
+        if link.add(loop, deliver):
+            if announce:
+                link.post(loop, proto.Attach(os.getpid(), worker))
             return link
         # The link closed in between (its last loop left, or it dropped):
         # another dial.

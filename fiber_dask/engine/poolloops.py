@@ -141,6 +141,7 @@ class Loops:
             # (fiber_dask.engine.slots.TERMINATE_GRACE), on any cluster.
             [TERMINATE_GRACE if e._handle.owned else None] * k,
             [e._slot_kind] * k,  # process | thread (fiber_dask.engine.slots)
+            [e._relay] * k,  # process slots: through the relay (slotrelay.wanted)
             # Keyed so the scheduler can tell whose slots these are (poolstats).
             key=[poolstats.loop_key(e._token, n) for n in numbers],
             pure=False,

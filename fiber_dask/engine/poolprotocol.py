@@ -22,7 +22,10 @@ owner → loop::
 
 loop → owner::
 
-    Attach(pid, worker)     the loop joined the link (its first message)
+    Attach(pid, worker[, slot])
+                            the loop joined the link (its first message);
+                            ``slot``: the pool's loop number when the frame's
+                            is a relay's route (see below)
     Results([Result(ckey, ok, blob, seconds, last), ...])
                             chunks' outcomes, in the order they ran; ``last``:
                             maxtasksperchild retires this loop after it
@@ -94,6 +97,7 @@ __all__ = [
     "PeerFunctions",
     "LoopFunctions",
     "encode_frame",
+    "forward_frame",
     "decode_frame",
     "encode_failure",
     "decode_failure",
@@ -235,20 +239,24 @@ class InitFailed:
 
 class Attach:
     """Loop → owner, its first message: the loop joined the link; ``pid`` the
-    process that runs its tasks, ``worker`` its Dask worker's address."""
+    process that runs its tasks, ``worker`` its Dask worker's address;
+    ``slot`` the loop's number when the frame names a relay's route instead
+    (None: the frame's number is the loop's)."""
 
-    __slots__ = ("pid", "worker")
+    __slots__ = ("pid", "worker", "slot")
     tag = "A"
 
-    def __init__(self, pid, worker):
-        self.pid, self.worker = pid, worker
+    def __init__(self, pid, worker, slot=None):
+        self.pid, self.worker, self.slot = pid, worker, slot
 
     def fields(self) -> tuple:
-        return (self.pid, self.worker)
+        if self.slot is None:
+            return (self.pid, self.worker)
+        return (self.pid, self.worker, self.slot)
 
     @classmethod
-    def from_fields(cls, pid, worker) -> Attach:
-        return cls(pid, worker)
+    def from_fields(cls, pid, worker, slot=None) -> Attach:
+        return cls(pid, worker, slot)
 
 
 class Gone:
@@ -308,6 +316,14 @@ def encode_frame(routed: list, shared: Shared | None = None) -> bytes:
         (blobs, [(loop, msg.tag, *msg.fields()) for loop, msg in routed]),
         protocol=_PROTOCOL,
     )
+
+
+def forward_frame(loop: int, msg: Any) -> bytes:
+    """A frame of one message taken from a decoded frame (a relay hands it
+    on, as ``loop``'s): a ``Calls`` takes the shared arrays of the frame it
+    came in."""
+    blobs = msg.shared if type(msg) is Calls else None
+    return pickle.dumps((blobs, [(loop, msg.tag, *msg.fields())]), protocol=_PROTOCOL)
 
 
 def decode_frame(raw: bytes) -> list:

@@ -229,6 +229,7 @@ def serve_slot(
     maxtasks: int | None,
     kill_after: float | None,
     worker_address: str | None,
+    relay: tuple[Any, bytes] | None = None,
 ) -> str:
     """One pool slot, wherever it runs (a Dask task thread, or the main thread
     of a process of its own): join the link to the owner as loop ``slot``,
@@ -236,10 +237,20 @@ def serve_slot(
 
     ``kill_after``: seconds after a terminate (or the owner's loss) at which a
     task that has not stopped ends this process; None never does.
+    ``relay``: a slot process's ticket to its Dask worker's relay (address,
+    token; :mod:`fiber_dask.engine.slotrelay`), which it dials instead of the
+    owner; None: dial the owner.
     """
     loop = _Loop(slot, kill_after)
+    dial = None
+    if relay is not None:
+        from . import slotrelay
+
+        def dial() -> Any:
+            return slotrelay.connect(*relay)
+
     link = poollink.attach(
-        address, authkey, service, slot, worker_address, loop.deliver
+        address, authkey, service, slot, worker_address, loop.deliver, dial=dial
     )
     if isinstance(link, str):
         return link

@@ -138,6 +138,9 @@ class SlotSpec:
     worker_address: str | None
     env: dict[str, str]
     kill_after: float = TERMINATE_GRACE
+    #: The relay's address and this keeper's token (slotrelay), or None: the
+    #: slot process dials the owner itself.
+    relay: tuple[Any, bytes] | None = None
 
 
 # ---------------------------------------------------------------- the template
@@ -581,8 +584,13 @@ def keep(
     init_blob: bytes | None,
     maxtasks: int | None,
     worker: Any = None,
+    relay: bool = False,
 ) -> str:
     """Body of a pool-slot Dask task in process mode: keep one slot process running.
+
+    ``relay``: the slot process reaches the owner through this process's
+    relay (:mod:`fiber_dask.engine.slotrelay`), which this keeper joins to
+    the pool's link first; else it dials the owner itself.
 
     Returns why the slot ended, as :func:`fiber_dask.engine.poolworker.serve_slot`
     does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
@@ -591,7 +599,7 @@ def keep(
     by the template at once (``Restarted``), or here when that failed.
     """
     from ..launch.launcher import child_env
-    from .poolprotocol import Reason
+    from . import slotrelay
 
     worker_address = getattr(worker, "address", None)
     try:
@@ -609,6 +617,28 @@ def keep(
     spec = SlotSpec(
         address, authkey, service, slot, init_blob, maxtasks, worker_address, env
     )
+    hold = None
+    try:
+        relayer = slotrelay.get_relay() if relay else None
+    except OSError as e:  # no Unix socket here: the slot process dials
+        logger.debug("fiber-dask: no slot relay (%r); slots dial the owner", e)
+        relayer = None
+    if relayer is not None:
+        hold = relayer.open(address, authkey, service, slot, worker_address)
+        if isinstance(hold, str):
+            return hold  # the pool is gone or unreachable: no slot process
+        spec.relay = hold.ticket
+    try:
+        return _keep(spec)
+    finally:
+        if hold is not None:
+            hold.close()
+
+
+def _keep(spec: SlotSpec) -> str:
+    """Keep ``spec``'s slot process running; why the slot ended."""
+    from .poolprotocol import Reason
+
     while True:
         try:
             template = get_template()

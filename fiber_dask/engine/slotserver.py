@@ -50,6 +50,7 @@ def _preload(numpy: bool = True) -> None:
     import cloudpickle  # noqa: F401
 
     import fiber_dask.engine.poolworker  # noqa: F401
+    import fiber_dask.engine.slotrelay  # noqa: F401
     import fiber_dask.launch.processchild  # noqa: F401
     from fiber_dask.launch import childsetup
 
@@ -398,6 +399,7 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
             spec.maxtasks,
             spec.kill_after,
             spec.worker_address,
+            spec.relay,
         )
     except KeyboardInterrupt as e:
         _print_interrupted(e)

@@ -32,6 +32,7 @@ def run_pool_worker(
     maxtasks: int | None,
     kill_after: float | None = None,
     slots: str | None = None,
+    relay: bool = False,
 ) -> str:
     """Body of one pool-slot Dask task.  Returns why it ended.
 
@@ -40,7 +41,9 @@ def run_pool_worker(
     ``slots``: ``"process"`` (the task is a *keeper*: it holds the Dask slot
     while a slot process of its own runs the loop, see :mod:`fiber_dask.engine.slots`)
     or ``"thread"`` (this Dask task thread runs the loop); None reads
-    ``fiber.pool.slots``.
+    ``fiber.pool.slots``.  ``relay``: a slot process reaches the owner through
+    this worker process's relay (:mod:`fiber_dask.engine.slotrelay`) rather
+    than a connection of its own.
     """
     try:
         from distributed import get_worker
@@ -53,7 +56,7 @@ def run_pool_worker(
 
         slots = config.get("pool.slots")
     if slots == "process":
-        return keep(address, authkey, service, slot, init_blob, maxtasks, worker)
+        return keep(address, authkey, service, slot, init_blob, maxtasks, worker, relay)
     # The program's tasks run in this process, beside the worker's event loop,
     # whose draws must not move their random state.
     privaterandom.isolate_dask()
