@@ -13,11 +13,14 @@ round (A B C A B C ...):
                    (issue 12's figure: the cluster's start included);
 ``whole``          the process from start to exit, as ``time python script.py``.
 
-Engines: ``fiber_dask`` (process slots, the default), ``fiber_dask-thread``
+Engines: ``fiber_dask`` (process slots, the default: the first pool's slots
+start while the cluster does), ``fiber_dask-late`` (``fiber.local.early-slots:
+false``: ``Pool()`` waits for the whole cluster), ``fiber_dask-thread``
 (``fiber.pool.slots: thread``), ``fiber_dask-spawn`` (worker processes
 spawned, Dask's way, instead of forked from the preloaded server:
-``fiber.local.worker-start: spawn``) and ``multiprocessing`` (fork, Linux's
-default).
+``fiber.local.worker-start: spawn``), ``dask`` (plain Dask: ``LocalCluster``
+of N worker processes, a ``Client``, one ``submit``) and ``multiprocessing``
+(fork, Linux's default).
 Run from the repository root::
 
     python benchmarks/coldstart.py --repeats 7
@@ -45,6 +48,8 @@ SCRIPT = textwrap.dedent(
     if sys.argv[1] == "multiprocessing":
         import multiprocessing
         mp = multiprocessing.get_context("fork")
+    elif sys.argv[1] == "dask":
+        import distributed
     else:
         import fiber_dask as mp
     t1 = time.perf_counter()
@@ -55,16 +60,33 @@ SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         n = int(sys.argv[2])
         t2 = time.perf_counter()
-        pool = mp.Pool(n)
-        pool.apply(noop)
-        t3 = time.perf_counter()
-        pool.close()
-        pool.join()
+        if sys.argv[1] == "dask":  # plain Dask, as its docs start a local cluster
+            cluster = distributed.LocalCluster(
+                n_workers=n, threads_per_worker=1, processes=True
+            )
+            client = distributed.Client(cluster)
+            client.submit(noop).result()
+            t3 = time.perf_counter()
+            client.close()
+            cluster.close()
+        else:
+            pool = mp.Pool(n)
+            pool.apply(noop)
+            t3 = time.perf_counter()
+            pool.close()
+            pool.join()
         print(json.dumps({"import": t1 - t0, "first result": t3 - t2}))
     """
 )
 
-ENGINES = ("fiber_dask", "fiber_dask-thread", "fiber_dask-spawn", "multiprocessing")
+ENGINES = (
+    "fiber_dask",
+    "fiber_dask-late",
+    "fiber_dask-thread",
+    "fiber_dask-spawn",
+    "dask",
+    "multiprocessing",
+)
 
 
 def run_once(engine: str, workers: int, script: str) -> dict[str, float]:
@@ -73,8 +95,10 @@ def run_once(engine: str, workers: int, script: str) -> dict[str, float]:
         env["DASK_FIBER__POOL__SLOTS"] = "thread"
     if engine == "fiber_dask-spawn":
         env["DASK_FIBER__LOCAL__WORKER_START"] = "spawn"
+    if engine == "fiber_dask-late":
+        env["DASK_FIBER__LOCAL__EARLY_SLOTS"] = "false"
     env["DASK_FIBER__LOCAL__N_WORKERS"] = str(workers)
-    name = "multiprocessing" if engine == "multiprocessing" else "fiber_dask"
+    name = engine if engine in ("multiprocessing", "dask") else "fiber_dask"
     t0 = time.perf_counter()
     out = subprocess.run(
         [sys.executable, script, name, str(workers)],

@@ -56,11 +56,16 @@ def test_es_benchmark_engines_agree(tmp_path):
 def test_coldstart_benchmark_times_fresh_processes(tmp_path):
     report, text = run_benchmark(
         "coldstart.py",
-        *("--repeats", "1", "--engines", "fiber_dask,multiprocessing"),
+        *(
+            "--repeats",
+            "1",
+            "--engines",
+            "fiber_dask,fiber_dask-late,dask,multiprocessing",
+        ),
         tmp_path=tmp_path,
     )
     assert "| first result |" in text
-    for name in ("fiber_dask", "multiprocessing"):
+    for name in ("fiber_dask", "fiber_dask-late", "dask", "multiprocessing"):
         got = report["engines"][name]
         assert set(got) == {"import", "first result", "whole"}
         # Each part of the process's life is inside the whole of it.

@@ -167,3 +167,45 @@ def test_a_task_sees_the_same_process_in_an_early_slot_as_in_the_clusters(
     env = set(early.pop("env")) ^ set(later.pop("env"))
     assert not env, f"variables in one environment only: {sorted(env)}"
     assert early == later
+
+
+def test_an_owner_killed_while_early_slots_run_leaves_nothing(tmp_path) -> None:
+    """SIGKILL of the program while a task runs in an early slot, the cluster
+    still starting or just up: the early template, its slots, the worker fork
+    server and anything the cluster started end with it."""
+    marker = uuid.uuid4().hex
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "DASK_SCHEDULER_ADDRESS" and not k.startswith("DASK_FIBER__")
+    }
+    environ.update(DASK_FIBER__LOCAL__N_WORKERS="2", FIBER_EARLY_TEST_MARKER=marker)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, PROGRAM, "owner_killed", str(marks)],
+        env=environ,
+        cwd=str(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        started = marks / "started"
+        wait_until(started.exists, timeout=120, what="item 0 to start")
+        victim = json.loads(started.read_text())
+        assert victim["where"] is None, "item 0 did not run in an early slot"
+        assert len(_processes_with(marker)) > 2  # server, template, slots, ...
+        proc.kill()
+        proc.wait(30)
+        wait_until(
+            lambda: not _processes_with(marker),
+            timeout=30,
+            what="every process the killed program started to end",
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in _processes_with(marker):
+            p.kill()
+        proc.stderr.close()

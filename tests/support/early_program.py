@@ -203,6 +203,16 @@ def scenario_others_wait(marks: str) -> dict:
     }
 
 
+def scenario_owner_killed(marks: str) -> dict:
+    """Item 0 starts in an early slot; the test SIGKILLs this process then."""
+    import functools
+
+    pool = fiber_dask.Pool(2)
+    pool.map_async(functools.partial(hang_first_time, marks=marks), range(4))
+    while True:
+        time.sleep(1)
+
+
 if __name__ == "__main__":
     scenario, marks = sys.argv[1], sys.argv[2]
     out = globals()[f"scenario_{scenario}"](marks)
