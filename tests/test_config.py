@@ -704,3 +704,30 @@ def test_dask_logging_config_sets_fiber_dasks_level() -> None:
     off = run_fresh(code)
     assert off.returncode == 0, off.stderr
     assert "probe-debug-message" not in off.stderr
+
+
+def test_the_shipped_defaults_are_not_checked_again_at_first_use() -> None:
+    """Validating an untouched configuration imports no jsonschema (it is the
+    shipped defaults, which the test above checks); one set value is checked."""
+    code = (
+        "import os, sys\n"
+        "from fiber_dask import config\n"
+        "config.validate()\n"
+        "print('jsonschema' in sys.modules)\n"
+        "os.environ['DASK_FIBER__LOCAL__N_WORKERS'] = '0'\n"
+        "import dask; dask.config.refresh()\n"
+        "try:\n"
+        "    config.validate()\n"
+        "except config.ConfigError as e:\n"
+        "    print('fiber.local.n-workers' in str(e))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
