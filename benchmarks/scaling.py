@@ -18,7 +18,9 @@ ceil(population / slots) x eval-seconds (the sleeps alone, perfectly packed).
 
 Engines: ``fiber_dask`` (one embedded cluster for the whole run, a fresh
 ``Pool(slots)`` per slot count; ``--slot-kind thread`` by default, since 128
-slots per worker process only make sense as threads), ``multiprocessing``
+slots per worker process only make sense as threads), ``fiber_dask-direct``
+(the same, on the same cluster, with ``fiber.pool.relay: false``: with
+process slots each slot process dials the owner), ``multiprocessing``
 (``Pool(slots)`` with the fork start method) and ``dask`` (plain
 ``client.map`` of one task per evaluation, on a ``LocalCluster`` with exactly
 ``slots`` threads, started per slot count) and ``no-pool`` (the bound: the
@@ -69,7 +71,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.engines import LocalClusterMixin  # noqa: E402
 
-ENGINE_NAMES = ("fiber_dask", "multiprocessing", "dask", "no-pool")
+ENGINE_NAMES = ("fiber_dask", "fiber_dask-direct", "multiprocessing", "dask", "no-pool")
 EFFICIENCY_TARGET = 0.80  # issue 6, at 256 slots
 #: Issue 15's targets: (slots, efficiency at least, seconds to all slots at most).
 SCALE_TARGETS = ((256, 0.80, 2.0), (512, 0.90, None), (1024, 0.85, 10.0))
@@ -195,6 +197,11 @@ class _PoolEngine(Engine):
 
 class FiberDaskEngine(_PoolEngine):
     name = "fiber_dask"
+    #: fiber_dask engines set up: they share one embedded cluster, which the
+    #: last one to go shuts down.
+    live = 0
+    #: fiber.pool.relay for this engine's pools (None: the policy's default).
+    relay: bool | None = None
 
     def setup(self) -> None:
         import dask
@@ -215,13 +222,20 @@ class FiberDaskEngine(_PoolEngine):
             f"embedded cluster of {a.processes} worker processes x {a.threads} "
             f"threads, {a.slot_kind} slots; Pool(slots).map, default chunksize"
         )
-        fiber_dask.init()
+        if self.relay is not None:
+            self.note += f", fiber.pool.relay: {str(self.relay).lower()}"
+        if FiberDaskEngine.live == 0:
+            fiber_dask.init()
+        FiberDaskEngine.live += 1
         self.pool = None
 
     def open(self, slots: int) -> None:
+        import dask
+
         self.close()
         t0 = time.monotonic()
-        self.pool = self.fd.Pool(slots)
+        with dask.config.set({"fiber.pool.relay": self.relay}):
+            self.pool = self.fd.Pool(slots)
         # Pool() returns at once and its loops connect as Dask starts them; the
         # figures are for a pool that is up (as the paper's were), so wait until
         # every loop has connected (``_pool``: one entry per slot, as the stdlib).
@@ -237,7 +251,9 @@ class FiberDaskEngine(_PoolEngine):
         try:
             self.close()
         finally:
-            self.fd.shutdown()
+            FiberDaskEngine.live -= 1
+            if FiberDaskEngine.live == 0:
+                self.fd.shutdown()
 
     def owner_mark(self) -> Any:
         e = self.pool._engine
@@ -257,6 +273,14 @@ class FiberDaskEngine(_PoolEngine):
             "owner_cpu_us_per_chunk": (cpu - mark[0]) / chunks * 1e6,
             "chunks": chunks,
         }
+
+
+class FiberDaskDirectEngine(FiberDaskEngine):
+    """fiber_dask with every process slot dialling the owner itself
+    (``fiber.pool.relay: false``), on the same cluster, to compare the relay."""
+
+    name = "fiber_dask-direct"
+    relay = False
 
 
 def _thread_cpu(native_id: int) -> float:
@@ -461,6 +485,7 @@ class Benchmark(Harness):
         self.engines = [
             {
                 "fiber_dask": FiberDaskEngine,
+                "fiber_dask-direct": FiberDaskDirectEngine,
                 "multiprocessing": MultiprocessingEngine,
                 "dask": DaskEngine,
                 "no-pool": NoPoolEngine,
