@@ -339,7 +339,7 @@ class Starting:
             else:
                 server = None
         if server is not None:
-            server.stop(timeout=0.05)  # busy importing: killed
+            server.stop(timeout=0)  # busy importing what is not needed now
             return None
         if self._done.wait(timeout) and self.error is None:
             return self.handle

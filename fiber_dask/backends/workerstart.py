@@ -279,8 +279,8 @@ class WorkerForkServer(forkserver.ForkServer):
 
     def stop(self, timeout: float = STOP_GRACE) -> int | None:
         """Tell the server to exit (it does once the workers forked from it are
-        gone) and reap it; kill it after ``timeout`` seconds.  Never blocks
-        longer.  Its exit code, None if it was not running."""
+        gone) and reap it; kill it after ``timeout`` seconds (0: now).  Never
+        blocks much longer.  Its exit code, None if it was not running."""
         import subprocess
 
         with self._lock:
@@ -302,10 +302,12 @@ class WorkerForkServer(forkserver.ForkServer):
         if proc is None:
             return None
         try:
-            return proc.wait(timeout)
+            if timeout > 0:
+                return proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait(timeout)
+            pass
+        proc.kill()  # (timeout 0: at once, its work given up)
+        return proc.wait(max(timeout, STOP_GRACE))
 
     @property
     def pid(self) -> int | None:
