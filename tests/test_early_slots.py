@@ -209,3 +209,23 @@ def test_an_owner_killed_while_early_slots_run_leaves_nothing(tmp_path) -> None:
         for p in _processes_with(marker):
             p.kill()
         proc.stderr.close()
+
+
+def test_maxtasksperchild_recycles_early_slots_then_hands_over(tmp_path) -> None:
+    out, stderr = run("recycle", tmp_path)
+    first = out["first"]
+    assert first[0][0] is None, "the first map did not start on early slots"
+    # One-item chunks, at most 3 per process, early or not: a fresh process
+    # after every third task (chunk), as the stdlib starts a fresh worker.
+    per_pid: dict[int, int] = {}
+    for _, pid in first:
+        per_pid[pid] = per_pid.get(pid, 0) + 1
+    assert max(per_pid.values()) <= 3, per_pid
+    early = [pid for where, pid in first if where is None]
+    assert len(set(early)) >= -(-len(early) // 3)
+    # More than the first two early processes could run: their successors
+    # (forked by the early template) served too, before the cluster was up.
+    assert len(early) > 6, first
+    assert all(where is not None for where, _ in out["last"])
+    assert out["counts"] == [1]
+    assert "Traceback" not in stderr, stderr[-3000:]

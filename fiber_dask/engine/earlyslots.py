@@ -64,6 +64,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from multiprocessing.pool import CLOSE, TERMINATE  # the pool's states are the stdlib's
 from typing import Any
 
@@ -141,7 +142,12 @@ class EarlySlots:
         self.position: dict[int, int] = {}
         #: loop number -> its slot process as the template reports it.
         self.forks: dict[int, Any] = {}
+        #: Every early loop's number, gone or not.
+        self.numbers: set[int] = set()
         self.attached: set[int] = set()
+        #: loop number -> the peer now serving it (a maxtasksperchild
+        #: successor may attach before its predecessor's Gone is read).
+        self.current: dict[int, Any] = {}
         #: The cluster was taken in (:meth:`take_cluster`), or its start failed.
         self.adopted = False
         #: Positions not yet handed to a Dask loop, once the cluster is up.
@@ -165,20 +171,41 @@ class EarlySlots:
         for position in range(e.processes):
             n = next(e._loops.numbers)
             self.position[n] = position
-            self.forks[n] = self.template.fork(
-                SlotSpec(
-                    e._server.address,
-                    e._server.authkey,
-                    e._service,
-                    n,
-                    e._init_blob,
-                    e._maxtasks,
-                    None,
-                    env,
-                )
+            self.numbers.add(n)
+            spec = SlotSpec(
+                e._server.address,
+                e._server.authkey,
+                e._service,
+                n,
+                e._init_blob,
+                e._maxtasks,
+                None,
+                env,
             )
+            self.forks[n] = self.template.fork(spec)
+            if e._maxtasks is not None:
+                threading.Thread(
+                    target=self._keep,
+                    args=(n, spec),
+                    name="fiber-early-slot",
+                    daemon=True,
+                ).start()
         self.starting.add_ready_hook(self._cluster_up)
         self.starting.add_done_callback(e._wake)
+
+    def _keep(self, n: int, spec: SlotSpec) -> None:
+        """What a keeper does for its slot (:func:`fiber_dask.engine.slots.keep`),
+        for early loop ``n`` with ``maxtasksperchild``: a slot process that
+        retired and that the template did not restart itself is forked again,
+        until the cluster is up (its position then goes to a Dask loop)."""
+        while True:
+            fork = self.forks[n]
+            fork.done.wait()
+            template = self.template
+            if fork.reason != proto.Reason.RECYCLED or self.adopted or template is None:
+                self.engine._wake()
+                return
+            self.forks[n] = template.fork(spec)
 
     def _cluster_up(self, handle: Any) -> None:
         """On the starting thread, before anything else gets the cluster: the
@@ -186,15 +213,22 @@ class EarlySlots:
         counts them as in use)."""
         self.claimed = self.engine._adopt_handle(handle)
 
-    def position_of(self, n: int) -> int | None:
-        """Loop ``n`` is an early one that attached: its position (else None)."""
+    def attach(self, peer: Any) -> int | None:
+        """``peer`` attached: if it is an early loop, its position (else None)."""
+        n = peer.loop
         position = self.position.get(n)
         if position is not None:
             self.attached.add(n)
+            self.current[n] = peer
+            self.engine._loops.recycled.discard(n)  # a successor is in
         return position
 
     def is_early(self, loop: int) -> bool:
         return loop in self.position
+
+    def owns(self, loop: int) -> bool:
+        """Loop ``loop`` is an early one (gone or not)."""
+        return loop in self.numbers
 
     def handing_over(self) -> bool:
         """The cluster is up: early loops only finish what they hold."""
@@ -245,7 +279,7 @@ class EarlySlots:
             if n in self.attached or not self.forks[n].done.is_set():
                 alive.add(position)
             else:  # its slot process ended before it attached
-                self.gone(n)
+                self._forget(n)
         ready = sorted(p for p in self.waiting if p not in alive)
         if not ready:
             return
@@ -271,11 +305,25 @@ class EarlySlots:
         self.engine._file(peer)
         peer.link.send([(peer.loop, proto.STOP)])
 
-    def gone(self, loop: int) -> None:
-        """Early loop ``loop`` left (or was lost): once none is left, let the
-        template go (its stdin's EOF ends it)."""
+    def gone(self, peer: Any) -> None:
+        """``peer`` left (or was lost): if it served an early loop, that loop
+        is gone; once none is left, let the template go (its stdin's EOF ends
+        it).  A loop whose process ``maxtasksperchild`` retired is not gone:
+        the template forks a successor, which attaches as the same loop
+        (before or after this)."""
+        self._forget(peer.loop, peer)
+
+    def _forget(self, loop: int, peer: Any = None) -> None:
+        if peer is not None:
+            if self.current.get(loop) is not peer:
+                return  # its successor serves the loop already
+            if loop in self.engine._loops.recycled and self.template is not None:
+                self.attached.discard(loop)
+                del self.current[loop]
+                return
         if self.position.pop(loop, None) is None:
             return
+        self.current.pop(loop, None)
         self.attached.discard(loop)
         self.engine._wake()  # its position may go to a Dask loop now
         if not self.position:

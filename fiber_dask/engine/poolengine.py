@@ -895,13 +895,16 @@ class PoolEngine:
                 self._peer_at[position] = peer
                 if held is not None and early is not None and early.is_early(held.loop):
                     early.retire(held)  # the cluster's loop takes over here
-            elif early is not None:
-                position = early.position_of(peer.loop)
-                if position is not None:
-                    if early.handing_over() or position in self._peer_at:
-                        early.retire(peer)  # the cluster is up: only the init
-                    if position not in self._peer_at:
-                        self._peer_at[position] = peer
+            elif early is not None and early.owns(peer.loop):
+                position = early.attach(peer)
+                if (
+                    position is None
+                    or early.handing_over()
+                    or position in self._peer_at
+                ):
+                    early.retire(peer)  # the cluster is up: only the init
+                if position is not None and position not in self._peer_at:
+                    self._peer_at[position] = peer
             self._file(peer)
             self._dispatch()
 
@@ -1071,7 +1074,7 @@ class PoolEngine:
                 if p is peer:
                     del self._peer_at[pos]
             if self._early is not None:
-                self._early.gone(peer.loop)
+                self._early.gone(peer)
             self._file(peer)
             if self.state == TERMINATE or self._released:
                 return

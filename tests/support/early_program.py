@@ -58,14 +58,13 @@ def runs(marks: str) -> dict[int, int]:
     return counts
 
 
-def until_on_cluster(pool, func, marks: str, n: int) -> tuple[list, list]:
-    """Map ``n`` items again and again until a whole map ran on the
-    cluster's slots; every map's results, and the first map's."""
+def until_on_cluster(pool, func, marks: str, n: int, offset: int = 0) -> list:
+    """Map ``n`` new items (from ``offset`` on) again and again until a whole
+    map ran on the cluster's slots; every map's results."""
     import functools
 
     maps = []
     deadline = time.monotonic() + 120
-    offset = 0
     while True:
         items = range(offset, offset + n)
         got = pool.map(functools.partial(func, marks=marks), items)
@@ -156,6 +155,20 @@ def scenario_kill(marks: str) -> dict:
         "victim": victim,
         "results": [r[0] for r in got],
         "counts": runs(marks),
+    }
+
+
+def scenario_recycle(marks: str) -> dict:
+    """maxtasksperchild=3 on early slots: successors, then the hand-over."""
+    import functools
+
+    with fiber_dask.Pool(2, maxtasksperchild=3) as pool:
+        first = pool.map(functools.partial(square, marks=marks), range(12), 1)
+        maps = until_on_cluster(pool, square, marks, 12, offset=12)
+    return {
+        "first": [r[1:] for r in first],
+        "last": [r[1:] for r in maps[-1]],
+        "counts": sorted(set(runs(marks).values())),
     }
 
 
