@@ -290,12 +290,23 @@ class Starting:
         self._phase = "importing"  # -> "starting" -> "done" | "given up"
         self._callbacks: list[Callable[[], None]] = []
         self._ready_hooks: list[Callable[[ClusterHandle], None]] = []
+        self._go = threading.Event()
 
     def done(self) -> bool:
         return self._done.is_set()
 
+    #: Seconds the start waits for :meth:`go` before it begins anyway.
+    HOLD = 1.0
+
+    def go(self) -> None:
+        """Begin now: the early slots serve (they started without the CPU the
+        cluster's imports would have taken from them), or someone waits for
+        the cluster."""
+        self._go.set()
+
     def result(self, timeout: float | None = None) -> ClusterHandle:
         """The handle once the cluster is up; raises what its start raised."""
+        self.go()
         if not self._done.wait(timeout):
             raise TimeoutError("the embedded cluster is still starting")
         if self.error is not None:
@@ -338,6 +349,7 @@ class Starting:
                 server = self.fork_server
             else:
                 server = None
+        self._go.set()  # a start still held back ends at once
         if server is not None:
             server.stop(timeout=0)  # busy importing what is not needed now
             return None
@@ -347,7 +359,13 @@ class Starting:
 
     def _run(self, start: Callable[[], ClusterHandle]) -> None:
         global _handle, _starting
+        # Held back until the early slots serve (go()), at most HOLD seconds:
+        # on a machine of few cores, importing distributed here slowed the
+        # slots' own start, which the first result waits for.
+        self._go.wait(self.HOLD)
         try:
+            if self._phase == "given up":
+                raise RuntimeError("the embedded cluster's start was given up")
             h = start()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             h, self.error = None, e

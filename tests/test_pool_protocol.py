@@ -114,6 +114,26 @@ def test_numpy_items_pickle_plainly_unless_they_hold_objects():
         )
 
 
+def test_items_pickle_while_another_thread_still_imports_numpy(monkeypatch):
+    """numpy half-imported by another thread (the embedded cluster's start
+    imports distributed while a first pool's early slots serve) is no numpy
+    yet: items pickle as when it is absent, instead of failing on its missing
+    attributes ("partially initialized module 'numpy' has no attribute
+    'ndarray'", seen in a pool's first tasks)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import cloudpickle
+
+    half = types.ModuleType("numpy")
+    half.__spec__ = importlib.machinery.ModuleSpec("numpy", None)
+    half.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "numpy", half)
+    other = [(_Local(), 1), _Local()]
+    assert proto.dumps_items(other) == cloudpickle.dumps(other, pickle.HIGHEST_PROTOCOL)
+
+
 def test_an_array_many_chunks_of_a_frame_share_travels_once():
     np = pytest.importorskip("numpy")
     theta = np.arange(1000.0)  # 8 KB, as an ES theta

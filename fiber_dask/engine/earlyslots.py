@@ -217,6 +217,7 @@ class EarlySlots:
         """``peer`` attached: if it is an early loop, its position (else None)."""
         n = peer.loop
         position = self.position.get(n)
+        self.starting.go()  # they serve: the cluster's start may take the CPU
         if position is not None:
             self.attached.add(n)
             self.current[n] = peer

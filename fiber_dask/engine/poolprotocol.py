@@ -451,12 +451,23 @@ class LoopFunctions:
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), complex})
 
 
+def _numpy() -> Any:
+    """numpy if this process has imported it (whole: not a module another
+    thread is still importing, such as the embedded cluster's start importing
+    distributed while a pool's early slots serve), else None.  Only an object
+    made by a whole numpy can be one of its arrays."""
+    np = sys.modules.get("numpy")
+    if np is None or getattr(getattr(np, "__spec__", None), "_initializing", False):
+        return None
+    return np
+
+
 def _plain_array(x: Any) -> bool:
     """A numpy array or scalar without Python objects in it: plain pickle
     carries it exactly as cloudpickle would (``ndarray.__reduce_ex__``, no
     class or function references besides numpy's own), some 3x faster; an ES
     ``theta`` sent with every task was the owner's largest send-path cost."""
-    np = sys.modules.get("numpy")
+    np = _numpy()
     if np is None:
         return False
     kind = type(x)
@@ -533,7 +544,7 @@ class _SharedUnpickler(pickle.Unpickler):
 
 
 def _big_array(x: Any) -> bool:
-    np = sys.modules.get("numpy")
+    np = _numpy()
     return (
         np is not None
         and type(x) is np.ndarray
