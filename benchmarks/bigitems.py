@@ -61,6 +61,12 @@ PROGRAM = textwrap.dedent(
         parts = np.array_split(np.random.default_rng(0).random(mb * 10**6 // 8), pieces)
         with mp.Pool(2) as pool:
             pool.map(square, range(8), chunksize=1)  # workers (slots) up
+            if engine != "multiprocessing":
+                # The first pool starts on early slots: wait for the cluster
+                # (and the pool's slots on it), whose start is not the map's.
+                mp.get_client()
+                while not all(slot.worker for slot in pool._pool):
+                    time.sleep(0.01)
             probe = PeakProbe().start()
             t0 = time.perf_counter()
             if mode == "map":
