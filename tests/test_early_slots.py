@@ -17,9 +17,8 @@ import subprocess
 import sys
 import uuid
 
-import psutil
 import pytest
-from support.processes import running
+from support.processes import processes_with, running
 from support.wait import wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,15 +27,8 @@ PROGRAM = os.path.join(HERE, "support", "early_program.py")
 pytestmark = pytest.mark.timeout(240)
 
 
-def _processes_with(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("FIBER_EARLY_TEST_MARKER") == marker:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
+def _processes_with(marker: str) -> list:
+    return processes_with("FIBER_EARLY_TEST_MARKER", marker)
 
 
 def run(scenario: str, tmp_path, **env: str) -> tuple[dict, str]:

@@ -19,8 +19,8 @@ import sys
 import uuid
 
 import numpy as np
-import psutil
 import pytest
+from support.processes import processes_with
 from support.wait import wait_until
 
 from fiber_dask.transparency import privaterandom
@@ -31,15 +31,8 @@ PROGRAM = os.path.join(HERE, "support", "seeded_program.py")
 pytestmark = pytest.mark.timeout(240)
 
 
-def _processes_with(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("FIBER_RANDOM_TEST_MARKER") == marker:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
+def _processes_with(marker: str) -> list:
+    return processes_with("FIBER_RANDOM_TEST_MARKER", marker)
 
 
 def run(mode: str, scenario: str, **env: str) -> dict:

@@ -182,6 +182,11 @@ class Template:
         self._setup()
         self.proc = _HandedTemplate(request_w)
         self.ready.set()
+        self._start_reader(report_r)
+        return self
+
+    def _start_reader(self, report_r: int) -> None:
+        """Read the template's reports on a thread of their own."""
         self.thread = threading.Thread(
             target=self._read_reports,
             args=(report_r,),
@@ -189,7 +194,6 @@ class Template:
             daemon=True,
         )
         self.thread.start()
-        return self
 
     def _setup(self) -> None:
         self.lock = threading.Lock()
@@ -212,13 +216,7 @@ class Template:
             except OSError as e:
                 raise OSError(f"cannot fork the fiber-dask slot template: {e}") from e
             self.forked = True
-            self.thread = threading.Thread(
-                target=self._read_reports,
-                args=(report_r,),
-                name="fiber-slot-template",
-                daemon=True,
-            )
-            self.thread.start()
+            self._start_reader(report_r)
             return
         # The thread that starts the template must outlive it: the template's
         # PR_SET_PDEATHSIG fires when this *thread* exits.  It then reads the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-__all__ = ["running"]
+__all__ = ["running", "processes_with"]
 
 
 def running(pid: int) -> bool:
@@ -14,3 +14,16 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def processes_with(variable: str, marker: str) -> list:
+    """The processes whose environment has ``variable`` set to ``marker``:
+    everything a program started with it (its children inherit it)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(variable) == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
