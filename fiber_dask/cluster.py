@@ -44,7 +44,7 @@ from .backends.address import configured_address
 from .backends.upcluster import running_handle
 from .errors import ClusterConnectionError
 from .launch import mainguard
-from .transparency import privaterandom
+from .transparency import interrupts, privaterandom
 
 __all__ = [
     "init",
@@ -406,11 +406,13 @@ def start_embedded(
     ``scheduler_port``: the port the scheduler is to listen on."""
     global _starting
 
-    with _lock:
+    # A Ctrl-C here is held to the end: bound but not running, a start would
+    # leave every later get_handle() waiting for it forever.
+    with interrupts.deferred(), _lock:
         if _handle is not None or _starting is not None:
             return None
         privaterandom.isolate_dask()
-        starting = _starting = Starting(
+        starting = Starting(
             "127.0.0.1",
             planned_slots,
             f"tcp://127.0.0.1:{scheduler_port}",
@@ -421,12 +423,14 @@ def start_embedded(
             scheduler_port=scheduler_port,
             entering=starting.entering,
         )
-        threading.Thread(
+        thread = threading.Thread(
             target=starting._run,
             args=(backend.start,),
             name="fiber-cluster-start",
             daemon=True,
-        ).start()
+        )
+        _starting = starting
+        thread.start()
         return starting
 
 

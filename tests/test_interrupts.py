@@ -219,6 +219,77 @@ def test_ctrl_c_while_the_embedded_cluster_starts(tmp_path):
     assert "Traceback" not in err, err
 
 
+# The Ctrl-C lands in the first Pool() exactly while it binds the embedded
+# cluster's background start (a real SIGINT, sent by the program to itself
+# as the binding begins): bound but never started, the start left every
+# later Pool() waiting for it forever.
+BINDING_PROGRAM = """
+import os, signal, sys, threading
+import fiber_dask as mp
+
+
+def square(x):
+    return x * x
+
+
+def interrupt_binding(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "load_backend":
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+if __name__ == "__main__":
+    sys.setprofile(interrupt_binding)
+    try:
+        mp.Pool(2)
+        print("not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    sys.setprofile(None)
+    with mp.Pool(2) as pool:
+        print(pool.map(square, range(10)) == [x * x for x in range(10)], flush=True)
+"""
+
+
+def test_ctrl_c_while_the_first_pool_binds_the_clusters_start(tmp_path):
+    script = tmp_path / "binding.py"
+    script.write_text(BINDING_PROGRAM)
+    proc = subprocess.run(
+        terminal_python(str(script)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines() == ["interrupted", "True"], (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_worker_fork_server_ignores_ctrl_c_from_its_exec_on():
+    # Before its first line of code the server imports site (and whatever
+    # .pth files import): a Ctrl-C there ended it with "Fatal Python error:
+    # init_import_site" when SIGINT was ignored only in its code.
+    import psutil
+    from fiber_dask.backends import workerstart
+
+    server = workerstart.start()
+    assert server is not None, "the worker fork server did not start"
+    try:
+        proc = psutil.Process(server.pid)
+
+        def serving_python():
+            return "workerstart import serve" in " ".join(proc.cmdline())
+
+        wait_until(serving_python, timeout=30, what="the fork server's exec of Python")
+        with open(f"/proc/{proc.pid}/status") as f:
+            ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+        assert ignored & (1 << (signal.SIGINT - 1)), f"SigIgn {ignored:#x}: SIGINT not ignored"
+    finally:
+        server.stop(timeout=5)
+
+
 def test_a_ctrl_c_in_a_first_import_waits_for_it_to_be_whole():
     # Cut half-way, an import leaves modules half-made that fail the next
     # time (asyncio's "name 'coroutines' is not defined" after a Ctrl-C in

@@ -229,16 +229,18 @@ class WorkerForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     cmd = (
-                        interrupts.IGNORE_FIRST  # before the imports
-                        + "from fiber_dask.backends.workerstart import serve; "
+                        "from fiber_dask.backends.workerstart import serve; "
                         f"serve({listener.fileno()}, {alive_r})"
                     )
-                    args = [
-                        spawn.get_executable(),
-                        *util._args_from_interpreter_flags(),
-                        "-c",
-                        cmd,
-                    ]
+                    # Ctrl-C is not for the cluster, from the exec on.
+                    args = interrupts.ignored_from_exec(
+                        [
+                            spawn.get_executable(),
+                            *util._args_from_interpreter_flags(),
+                            "-c",
+                            cmd,
+                        ]
+                    )
                     env = {**os.environ, **self.env}
                     # The server must import this very fiber_dask.
                     env["PYTHONPATH"] = childsetup.pythonpath_with_package(env)
@@ -330,7 +332,7 @@ def serve(listener_fd: int, alive_r: int) -> None:
     """
     from multiprocessing import process
 
-    interrupts.cluster_process()  # already, from the command line on
+    interrupts.cluster_process()  # already, from the exec on
     code = 0
     try:
         prep, preload, early = pickle.load(sys.stdin.buffer)

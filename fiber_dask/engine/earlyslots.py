@@ -71,6 +71,7 @@ from typing import Any
 from .. import cluster, config
 from ..backends import workerstart
 from ..launch.launcher import child_env
+from ..transparency import interrupts
 from . import poolprotocol as proto
 from .slots import EARLY_ENV, SlotSpec, Template
 
@@ -105,18 +106,21 @@ def start_cluster(
     planned = n_workers * config.get("local.threads-per-worker")
     if processes is not None and processes > planned:
         return None  # the cluster grows first (cluster.ensure_slots)
-    early = workerstart.EarlyTemplate(numpy="numpy" in sys.modules)
-    server = workerstart.start(early)
-    if server is None:
-        early.discard()
-        return None
-    starting = cluster.start_embedded(planned, _free_port(), server)
-    if starting is None:  # pragma: no cover - another thread bound one first
-        server.stop()
-        early.discard()
-        return None
-    starting.early_template = early
-    return starting
+    # A Ctrl-C is held to the end: a fork server started but not handed to
+    # the start (which stops it if the program exits first) would be lost.
+    with interrupts.deferred():
+        early = workerstart.EarlyTemplate(numpy="numpy" in sys.modules)
+        server = workerstart.start(early)
+        if server is None:
+            early.discard()
+            return None
+        starting = cluster.start_embedded(planned, _free_port(), server)
+        if starting is None:  # pragma: no cover - another thread bound one first
+            server.stop()
+            early.discard()
+            return None
+        starting.early_template = early
+        return starting
 
 
 def _free_port() -> int:

@@ -10,8 +10,8 @@ ignores it.  So here:
 
 * **the cluster ignores it** (:func:`cluster_process`): the embedded cluster's
   Dask worker processes (:mod:`fiber_dask.backends.workerstart`, also the
-  process they are forked from, from its command line on:
-  :data:`IGNORE_FIRST`) and the slot templates (:mod:`fiber_dask.engine.slotserver`).
+  process they are forked from, from its exec on: :func:`ignored_from_exec`)
+  and the slot templates (:mod:`fiber_dask.engine.slotserver`).
   A Dask worker that took it closed itself and told its nanny to close too:
   the cluster was gone for good and the program's next map hung;
 * **the program's code takes it** (:func:`program_process`): a slot process
@@ -37,11 +37,22 @@ import signal
 import threading
 from typing import Iterator
 
-__all__ = ["IGNORE_FIRST", "cluster_process", "deferred", "program_process"]
+__all__ = ["cluster_process", "deferred", "ignored_from_exec", "program_process"]
 
-#: Put first in a ``python -c`` command of a cluster process, so that SIGINT
-#: is ignored before its imports (a Ctrl-C while it imports would end it).
-IGNORE_FIRST = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+
+
+def ignored_from_exec(argv: list[str]) -> list[str]:
+    """The command running ``argv`` with SIGINT ignored from its exec on.
+
+    An ignored signal stays ignored across ``exec``, and Python then installs
+    no KeyboardInterrupt handler: a Ctrl-C cannot end the interpreter while
+    it starts.  Ignoring it in the child's first line of code was too late:
+    ``site`` runs before it (with a ``.pth`` file importing certifi, ~0.1 s),
+    and a Ctrl-C there ended the worker fork server with "Fatal Python error:
+    init_import_site".  ``/bin/sh``'s ``trap '' INT`` is the ignore that
+    survives the exec (``subprocess`` offers none without ``preexec_fn``,
+    which is unsafe beside threads); its ``exec`` keeps the pid."""
+    return ["/bin/sh", "-c", "trap '' INT; exec \"$@\"", "sh", *argv]
 
 
 def cluster_process() -> None:
