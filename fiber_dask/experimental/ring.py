@@ -311,8 +311,11 @@ class Ring:
                 self.failures.append(e)
                 self.restarts += 1
                 logger.warning(
-                    "fiber-dask: %s; forming the ring again (restart %d of %d)",
-                    e,
+                    "fiber-dask: Ring member rank %s on %s %s; forming the ring "
+                    "again (restart %d of %d)",
+                    e.rank,
+                    e.host,
+                    e.cause,
                     self.restarts,
                     self.max_restarts,
                 )
@@ -503,7 +506,7 @@ class _Watch:
         also = ""
         if others:
             also = " (then " + "; ".join(
-                f"rank {f.rank} {f.cause}" for f in others
+                f"rank {f.rank} {_shorten(f.cause)}" for f in others
             ) + ")"
         error = RingError(
             f"Ring member rank {root.rank} of {self.size} on {host}{pid} "
@@ -545,6 +548,10 @@ class _Watch:
             cause=f"did not join within {timeout:g}s",
         )
         raise error
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stop(procs: list) -> None:
