@@ -200,7 +200,7 @@ class Ring:
     Examples
     --------
     Set up ``torch.distributed`` (the ``ring`` extra) with rank 0 as the store,
-    then train data-parallel (``examples/ring_sgd.py`` is a whole program)::
+    then train data-parallel (``examples/ring_sgd.py`` is a whole program):
 
         import os
         from fiber_dask.experimental import Ring
