@@ -12,7 +12,8 @@ How a ring forms, runs and fails::
 
     parent: Ring.run()                         member r (a fiber-dask Process
     ──────────────────                         on a worker host)
-    a Pipe per member; Process(_member).start()
+    one reports Pipe, a Pipe to each member;
+    Process(_member).start() for each
                                                ip: its host's reachable address
                                                port: a free port bound there
         ◄──────── _Ready(r, ip, port, pid) ─── (the rendezvous)
@@ -21,7 +22,7 @@ How a ring forms, runs and fails::
                                                initializer(ring, *initargs)
                                                result = func(r, size)
         ◄──────── _Done(r, result) ─────────── or _Failed(r, the exception)
-    wait(the pipes + the Processes' sentinels):
+    wait(the reports pipe + the Processes' sentinels):
       every member done and exited 0 → run() returns the results by rank;
       the first member that raised, was killed, lost its host or ended without
       a result → terminate (then kill) the others, and raise RingError naming
@@ -29,9 +30,11 @@ How a ring forms, runs and fails::
 
 The pipes live in the parent, so a message a member sent before it died is
 already there when its sentinel fires: the cause of a failure is never lost to
-a race with the exit.  The port is picked by binding port 0 on the member's own
-address and releasing it, as torch's launchers do; the collective binds it
-again a moment later.
+a race with the exit.  All members report on one pipe, so the parent reads
+their reports in the order they were sent: a member that raised comes before
+the neighbours that failed because of it.  The port is picked by binding
+port 0 on the member's own address and releasing it, as torch's launchers do;
+the collective binds it again a moment later.
 """
 
 from __future__ import annotations
@@ -325,14 +328,17 @@ class Ring:
         from ..process import Process
 
         procs: list = []
-        conns: list = []
+        reports, report_end = Pipe(duplex=False)  # every member → here
+        conns: list = [reports, report_end]
+        downs: list = []  # here → each member
         try:
             for rank in range(self.size):
-                mine, theirs = Pipe()
-                conns.append(mine)
+                theirs, mine = Pipe(duplex=False)
+                conns += [theirs, mine]
+                downs.append(mine)
                 p = Process(
                     target=_member,
-                    args=(self, rank, theirs),
+                    args=(self, rank, theirs, report_end),
                     name=f"Ring-{rank}",
                     resources=self._resources,
                     client=self._client,
@@ -340,8 +346,10 @@ class Ring:
                 )
                 procs.append(p)
                 p.start()
-                theirs.close()  # the member holds its copy: EOF when it is gone
-            return _Watch(self, procs, conns).run()
+                theirs.close()  # the member holds its copy now
+            # Only the members' copies remain: EOF once they are all gone.
+            report_end.close()
+            return _Watch(self, procs, downs, reports).run()
         finally:
             _stop(procs)
             for conn in conns:
@@ -372,11 +380,12 @@ class _Watch:
     (killed, exited, lost its host) before one that raised, else the first.
     """
 
-    def __init__(self, ring: Ring, procs: list, conns: list) -> None:
+    def __init__(self, ring: Ring, procs: list, downs: list, reports: Any) -> None:
         self.ring = ring
         self.procs = procs
         self.size = len(procs)
-        self.conn_rank = {conn: rank for rank, conn in enumerate(conns)}
+        self.downs = downs
+        self.reports: Any = reports  # None once every member's copy is closed
         self.sentinel_rank = {p.sentinel: rank for rank, p in enumerate(procs)}
         self.ready: dict[int, _Ready] = {}
         self.done: dict[int, Any] = {}
@@ -391,9 +400,9 @@ class _Watch:
         timeout = self.ring.rendezvous_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self.ended) < self.size:
-            waiting = list(self.conn_rank) + [
-                s for s, r in self.sentinel_rank.items() if r not in self.ended
-            ]
+            waiting = [s for s, r in self.sentinel_rank.items() if r not in self.ended]
+            if self.reports is not None:
+                waiting.append(self.reports)
             ends = []
             if not self.formed and deadline is not None:
                 ends.append(deadline)
@@ -401,8 +410,8 @@ class _Watch:
                 ends.append(self.failed_at + SETTLE)
             left = max(min(ends) - time.monotonic(), 0.0) if ends else None
             for obj in wait(waiting, left):
-                if obj in self.conn_rank:
-                    self._read(obj)
+                if obj is self.reports:
+                    self._read()
                 else:
                     self._ended(self.sentinel_rank[obj])
             now = time.monotonic()
@@ -414,15 +423,15 @@ class _Watch:
             self._raise()
         return [self.done[rank] for rank in range(self.size)]
 
-    def _read(self, conn: Any) -> None:
-        rank = self.conn_rank[conn]
+    def _read(self) -> None:
         try:
-            msg = conn.recv()
+            msg = self.reports.recv()
         except (EOFError, OSError):
-            # Every copy of the member's end is closed: it ended (its
-            # sentinel says how) or never got it.
-            del self.conn_rank[conn]
+            # Every member's copy is closed: they all ended (their sentinels
+            # say how).
+            self.reports = None
             return
+        rank = msg.rank
         if isinstance(msg, _Ready):
             self.ready[rank] = msg
             if len(self.ready) == self.size and not self.formed:
@@ -437,19 +446,17 @@ class _Watch:
         self.formed = True
         nodes = tuple((r.rank, r.ip, r.port) for _, r in sorted(self.ready.items()))
         self.ring.members = [RingNode(*n) for n in nodes]
-        for conn in list(self.conn_rank):
+        for down in self.downs:
             try:
-                conn.send(_Members(nodes))
+                down.send(_Members(nodes))
             except (BrokenPipeError, OSError):
                 pass  # that member is gone: its sentinel reports it
 
     def _ended(self, rank: int) -> None:
         self.ended.add(rank)
         # What it sent before it ended is in the pipe already (it lives here).
-        for conn, r in list(self.conn_rank.items()):
-            if r == rank:
-                while conn in self.conn_rank and conn.poll(0):
-                    self._read(conn)
+        while self.reports is not None and self.reports.poll(0):
+            self._read()
         if rank in self.failures:
             return  # it raised, and said so
         p = self.procs[rank]
@@ -580,17 +587,18 @@ def _stop(procs: list) -> None:
 # ---------------------------------------------------------------- a member
 
 
-def _member(ring: Ring, rank: int, conn: Any) -> None:
+def _member(ring: Ring, rank: int, down: Any, conn: Any) -> None:
     """A member's life (the target of its Process): join, learn the ring,
-    run the initializer and ``func``, report."""
+    run the initializer and ``func``, report on ``conn`` (shared by all)."""
     from .. import cluster
 
     ip = cluster.listen_host()  # its worker's host, set by the launcher
     conn.send(_Ready(rank, ip, _free_port(ip), os.getpid()))
     try:
-        formed = conn.recv()
+        formed = down.recv()
     except EOFError:
         return  # the ring was stopped before it formed
+    down.close()
     ring.rank = rank
     ring.members = [RingNode(*node) for node in formed.members]
     try:
