@@ -230,8 +230,8 @@ class Trainer:
             grads /= size
             at = 0
             with torch.no_grad():
-                for params, vel, (lr, mom) in zip(models, velocity, hyper):
-                    for p, v in zip(params, vel):
+                for params, vel, (lr, mom) in zip(models, velocity, hyper, strict=True):
+                    for p, v in zip(params, vel, strict=True):
                         g = grads[at : at + p.numel()].view_as(p)
                         at += p.numel()
                         v.mul_(mom).add_(g)
@@ -248,7 +248,6 @@ class Trainer:
                     [[v.numpy() for v in vs] for vs in velocity],
                 )
             )
-
 
     @staticmethod
     def validation_losses(models, xv, yv) -> list[float]:
@@ -319,7 +318,7 @@ def control(a: argparse.Namespace) -> tuple[list[float], list[dict], Ring]:
                 + " ".join(fmt(x).strip() for x in before),
                 flush=True,
             )
-        for model, p, v in zip(population, params, velocity):
+        for model, p, v in zip(population, params, velocity, strict=True):
             model["params"], model["velocity"] = p, v
         copies = [
             f"m{i}<-m{m['copied']}"

@@ -512,9 +512,11 @@ class _Watch:
         others = [f for f in ordered if f is not root]
         also = ""
         if others:
-            also = " (then " + "; ".join(
-                f"rank {f.rank} {_shorten(f.cause)}" for f in others
-            ) + ")"
+            also = (
+                " (then "
+                + "; ".join(f"rank {f.rank} {_shorten(f.cause)}" for f in others)
+                + ")"
+            )
         error = RingError(
             f"Ring member rank {root.rank} of {self.size} on {host}{pid} "
             f"{root.cause} {phase}{also}; the other members were stopped. Fix "

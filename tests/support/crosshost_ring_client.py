@@ -20,10 +20,9 @@ import sys
 import time
 import traceback
 
-from support import ringreduce
-
 from fiber_dask import cluster
 from fiber_dask.experimental import Ring, RingError
+from support import ringreduce
 
 
 def emit(event: str, **data) -> None:
