@@ -448,7 +448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"1-{a.hidden}-{a.hidden}-1 MLP, {a.samples} samples",
         flush=True,
     )
-    losses, population, ring = control(a)
+    try:
+        losses, population, ring = control(a)
+    except RingError as e:
+        print(f"the ring failed: {e}", flush=True)
+        return 1
     best = min(range(len(losses)), key=lambda i: _rank_key(losses[i]))
     print(
         f"best: model {best} validation loss {losses[best]:.5f} (lr "

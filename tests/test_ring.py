@@ -207,3 +207,14 @@ def test_arguments_are_checked():
         Ring(2, _rank_and_size, None, max_restarts=-1)
     assert RingNode(1, "10.0.0.1", 5000) == RingNode(1, "10.0.0.1", 5000)
     assert not RingNode(0).connected
+
+
+def test_a_ring_runs_again_with_its_own_restart_budget(tmp_path):
+    once = tmp_path / "once"
+    once.mkdir()
+    reduce = ringreduce.AllReduce(str(once), die_once_rank=0)
+    ring = Ring(2, reduce, ringreduce.connect, max_restarts=1)
+    assert ring.run() == [1, 1] and ring.restarts == 1
+    # died-once exists now: the second run needs no restart, and says so.
+    assert ring.run() == [1, 1] and ring.restarts == 0 and ring.failures == []
+    assert len(executions(once)) == 6  # 2 members x (2 rings + 1)

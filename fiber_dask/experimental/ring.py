@@ -196,9 +196,9 @@ class Ring:
         In a member: the whole ring, by rank.  In the process that ran it: the
         members of the last ring formed (empty before).
     restarts : int
-        How often :meth:`run` formed the ring again after a failure.
+        How often the last :meth:`run` formed the ring again after a failure.
     failures : list of RingError
-        The failures that :meth:`run` restarted after, oldest first.
+        The failures that the last :meth:`run` restarted after, oldest first.
 
     Examples
     --------
@@ -297,6 +297,8 @@ class Ring:
             the members did not all join within ``rendezvous_timeout``.  The
             other members have been stopped when it is raised.
         """
+        self.restarts = 0
+        self.failures = []
         if self.size <= 0:
             return []
         while True:
