@@ -22,6 +22,7 @@ __all__ = [
     "PoolTerminatedError",
     "Problem",
     "RemoteTaskError",
+    "RingError",
     "TLSConnectionError",
     "WorkerLostError",
 ]
@@ -63,6 +64,36 @@ class RemoteTaskError(multiprocessing.ProcessError):
             f"{self.type_name}: {self.message} (raised in a pool worker; the "
             "exception could not be rebuilt here, see the remote traceback)"
         )
+
+
+class RingError(multiprocessing.ProcessError):
+    """A member of a :class:`fiber_dask.experimental.Ring` failed, so the ring did.
+
+    Raised by ``Ring.run()`` on the first member that raised, exited before its
+    function returned, was killed or lost its host (the other members, which
+    would otherwise wait in their collective forever, are stopped first), or
+    when the ring did not form within its ``rendezvous_timeout``.  The message
+    names the rank, its host and the cause; so do the attributes ``rank``,
+    ``host``, ``exitcode`` (None if the process had not ended) and ``cause`` (a
+    sentence).  A member's own exception, when it raised one, is
+    ``__cause__``, with the member's traceback as its own ``__cause__`` (as for
+    a Pool task).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        host: str | None = None,
+        exitcode: int | None = None,
+        cause: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.exitcode = exitcode
+        self.cause = cause
 
 
 class ClusterCapacityError(OSError):

@@ -164,7 +164,7 @@ SCRIPTS = example_scripts_with_options()
 
 
 def test_every_example_with_options_is_checked():
-    assert {"es.py", "pbt.py", "actor_learner.py"} <= set(SCRIPTS), SCRIPTS
+    assert {"es.py", "pbt.py", "actor_learner.py", "ring_sgd.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -198,3 +198,45 @@ def test_actor_learner_learns_and_shuts_down_cleanly():
     assert int(updates) == len(re.findall(r"^update +\d+", out, re.M)) >= 2
     assert int(played) >= 16 * int(updates) + int(stale)
     assert [int(c) for c in codes.split(",")] == [0, 0]  # each actor returned
+
+
+RING_ROUND = re.compile(
+    r"^round +(\d+) +best m(\d+) +([\d.]+) +losses ([\d. ]+?)  copied before: "
+    r"(.+?)  restarts (\d+)$",
+    re.M,
+)
+RING_START = re.compile(r"^start +best ([\d.]+) +losses", re.M)
+RING_BEST = re.compile(
+    r"^best: model (\d+) validation loss ([\d.]+) .* after (\d+) rounds; ring "
+    r"members on \[([^\]]*)\]; (\d+) restarts",
+    re.M,
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="examples/ring_sgd.py needs torch (the `ring` extra)",
+)
+@pytest.mark.timeout(300)  # about 10 s on 2 idle cores; much more when they are not
+def test_ring_sgd_trains_data_parallel_with_torch_distributed_on_a_ring():
+    """examples/ring_sgd.py, short: a Ring of 4 sets up gloo and trains two
+    models data-parallel for two PBT rounds of 100 steps each."""
+    out = run_example(
+        "ring_sgd.py",
+        *("--population", "2", "--rounds", "2", "--steps", "100"),
+        *("--samples", "256", "--lr-range", "0.1", "0.3"),
+        timeout=240,
+    )
+    assert "Ring of 4 (torch " in out and "gloo): 2 models x 2 rounds" in out
+    rounds = RING_ROUND.findall(out)
+    assert [int(r[0]) for r in rounds] == [1, 2], out
+    assert all(len(r[3].split()) == 2 for r in rounds)
+    assert rounds[0][4] == "-" and "<-" in rounds[1][4]  # PBT copied one
+    start = float(RING_START.search(out).group(1))
+    best = RING_BEST.search(out)
+    assert best, out[-2000:]
+    model, loss, n_rounds, hosts, restarts = best.groups()
+    # It learned: the members' averaged gradients moved the models.
+    assert float(loss) < 0.9 * start, (loss, start)
+    assert float(loss) == min(float(x) for x in rounds[1][3].split())
+    assert (int(n_rounds), hosts, int(restarts)) == (2, "'127.0.0.1'", 0)

@@ -40,7 +40,10 @@ TOP_LEVEL = FACES | {
 }
 #: The layers beneath, and the command line (which, like the faces, is a top).
 LAYERS = {"backends", "comm", "engine", "launch", "transparency"}
-PACKAGES = LAYERS | {"cli"}
+#: ``experimental`` is a face too, of what goes beyond the stdlib's API and
+#: may still change (Fiber's ``fiber.experimental``: the Ring); it is built
+#: on the faces (Process, Pipe), so it is no layer beneath them.
+PACKAGES = LAYERS | {"cli", "experimental"}
 
 
 def _top_level() -> tuple[set[str], set[str]]:
