@@ -591,7 +591,7 @@ def test_fiber_terminate_and_kill_workers_end_a_busy_executor(operation, tmp_pat
             assert f.cancelled() or isinstance(f.exception(), BrokenProcessPool)
         with pytest.raises(RuntimeError):
             ex.submit(square, 2)
-        signalled = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("sigterm-*"))
+        signalled = sorted(int(p.name[8:]) for p in tmp_path.glob("sigterm-*"))
         if operation == "terminate_workers":
             assert signalled == pids  # the SIGTERM reached each, where it ran
         else:
