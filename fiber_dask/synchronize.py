@@ -189,6 +189,14 @@ class SemaphoreState(ServedObject):
     ) -> bool:
         """Condition.wait on this lock: release it entirely (whatever its
         recursion depth), wait for a notify or the timeout, take it back."""
+        try:
+            return self._cond_wait(cid, timeout, who, name, sid)
+        finally:
+            lockstats.held()  # held again (outside self.cond, as in acquire)
+
+    def _cond_wait(
+        self, cid: str, timeout: float | None, who: tuple, name: Any, sid: Any
+    ) -> bool:
         with self.cond:
             if not self._held_by(who):
                 raise AssertionError("must acquire() condition before using wait()")
@@ -269,7 +277,9 @@ class SemaphoreState(ServedObject):
             "site": self.site,
             "value": value,
             "waiting": waiting,
-            "holders": [lockstats.holder_dict(h) for h in holders],
+            "holders": [
+                lockstats.holder_dict(h) for h in holders[: lockstats.MAX_LISTED]
+            ],
         }
 
     def serve(self, op: str, args: tuple, session: dict) -> Any:

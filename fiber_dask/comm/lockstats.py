@@ -46,11 +46,18 @@ from typing import Any, NamedTuple
 __all__ = [
     "LockHolder",
     "Holders",
+    "creation_site",
     "watch",
+    "held",
     "snapshot",
+    "holder_dict",
     "LockStore",
+    "describe",
     "INTERVAL",
     "STALE_AFTER",
+    "MAX_LISTED",
+    "UPDATE",
+    "VERSION",
 ]
 
 #: Seconds between two reports of a process while it has locks held.
@@ -62,7 +69,7 @@ SEND_TIMEOUT = 5.0
 #: Version of the report format; the scheduler ignores reports of another.
 VERSION = 1
 #: Holders listed per lock in a report (a semaphore may have many).
-_MAX_HOLDERS = 32
+MAX_LISTED = 32
 
 #: The scheduler handler that takes a process's report.
 UPDATE = "fiber_locks_update"
@@ -174,7 +181,7 @@ def _owner() -> dict[str, Any]:
 def snapshot() -> list[dict[str, Any]]:
     """This process's held locks: one dict per lock, for the scheduler."""
     out = []
-    for state in list(_reporter.states):
+    for state in _reporter.watched():
         report = state.report()
         if report is not None:
             out.append(report)
@@ -197,6 +204,15 @@ class _Reporter:
         self.id = uuid.uuid4().hex
         #: client -> whether its scheduler takes lock reports (asked once)
         self.supported: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def watch(self, state: Any) -> None:
+        with self.lock:
+            self.states.add(state)
+
+    def watched(self) -> list[Any]:
+        """The locks watched (a copy: locks are made in other threads)."""
+        with self.lock:
+            return list(self.states)
 
     def held(self) -> None:
         """A lock of this process got its first holder (called without the
@@ -279,7 +295,7 @@ _reporter = _Reporter()
 def watch(state: Any) -> None:
     """Report ``state`` (a served lock) whenever it is held: it has
     ``is_held()`` and ``report()``."""
-    _reporter.states.add(state)
+    _reporter.watch(state)
 
 
 def held() -> None:
@@ -313,7 +329,7 @@ def _clean(lock: Any, owner: dict[str, Any]) -> dict[str, Any] | None:
             "value": int(lock.get("value") or 0),
             "waiting": int(lock.get("waiting") or 0),
             "holders": [
-                _clean_holder(h) for h in list(lock.get("holders") or [])[:_MAX_HOLDERS]
+                _clean_holder(h) for h in list(lock.get("holders") or [])[:MAX_LISTED]
             ],
             "owner": owner,
         }
