@@ -35,6 +35,12 @@ task's own exception with ``__cause__`` a ``concurrent.futures.process.
 _RemoteTraceback`` holding the worker's traceback, and a result that cannot be
 pickled fails its Future with the pickling error.
 
+Python 3.14's additions are here on every Python: ``map(..., buffersize=)``
+(:func:`_buffered_map`: bounded submission, an endless input works) and
+``terminate_workers()`` / ``kill_workers()`` (the pool terminated, then
+SIGTERM / SIGKILL to its slot processes through their Dask workers, before
+its loops are told to stop: :meth:`ProcessPoolExecutor._force_shutdown`).
+
 Worker loss: a loop whose worker process dies has its calls re-run by the pool; a
 call that lost more workers than ``fiber.pool.allowed-failures`` fails with
 :class:`~fiber_dask.errors.BrokenProcessPool` (cause: the pool's
