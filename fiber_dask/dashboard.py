@@ -4,15 +4,17 @@ Dask's dashboard shows a pool as one long task per slot.  This module, loaded
 into the scheduler, adds what the pools' owners report
 (:mod:`fiber_dask.engine.poolstats`):
 
-* ``/fiber/pools.json`` on the scheduler's HTTP server: the live pools, the
-  document of :meth:`fiber_dask.engine.poolstats.PoolStore.document` (needs nothing
+* ``/fiber/pools.json`` on the scheduler's HTTP server: the live pools and
+  the held locks (:mod:`fiber_dask.comm.lockstats`), the document of
+  :meth:`fiber_dask.engine.poolstats.PoolStore.document` (needs nothing
   beyond distributed);
 * ``/fiber-pools``, a bokeh app registered with the scheduler's dashboard as
   distributed registers its own pages (listed in its "More..." menu): one row
   per pool (done, in flight, queued, failed, re-runs, items per second, busy)
-  and each slot's busy fraction, refreshed every second from that same
-  document.  Needs bokeh (``pip install "fiber-dask[diagnostics]"``) and a
-  scheduler that serves its dashboard.
+  and each slot's busy fraction, and the held locks with their holders,
+  refreshed every second from that same document.  Needs bokeh (``pip
+  install "fiber-dask[diagnostics]"``) and a scheduler that serves its
+  dashboard.
 
 How it gets there:
 
@@ -503,5 +505,20 @@ def _header(document: dict[str, Any]) -> str:
     return (
         f"<h2>fiber-dask pools</h2><p>{what}, updated every "
         f"{document['interval']:g} s (the numbers of <code>{JSON_PATH}</code> and "
-        f"<code>fiber-dask info</code>).</p>" + (f"<ul>{items}</ul>" if items else "")
+        f"<code>fiber-dask info</code>).</p>"
+        + (f"<ul>{items}</ul>" if items else "")
+        + _locks_html(document.get("locks") or [])
     )
+
+
+def _locks_html(locks: list[dict[str, Any]]) -> str:
+    """The held locks: which process holds each, where, for how long."""
+    from .comm.lockstats import describe
+
+    if not locks:
+        return (
+            "<h3>Held locks</h3>"
+            "<p>No Lock, RLock, Semaphore or Condition is held.</p>"
+        )
+    items = "".join(f"<li>{html.escape(describe(lock))}</li>" for lock in locks)
+    return f"<h3>Held locks</h3><ul>{items}</ul>"

@@ -35,6 +35,12 @@ task's own exception with ``__cause__`` a ``concurrent.futures.process.
 _RemoteTraceback`` holding the worker's traceback, and a result that cannot be
 pickled fails its Future with the pickling error.
 
+Python 3.14's additions are here on every Python: ``map(..., buffersize=)``
+(:func:`_buffered_map`: bounded submission, an endless input works) and
+``terminate_workers()`` / ``kill_workers()`` (the pool terminated, then
+SIGTERM / SIGKILL to its slot processes through their Dask workers, before
+its loops are told to stop: :meth:`ProcessPoolExecutor._force_shutdown`).
+
 Worker loss: a loop whose worker process dies has its calls re-run by the pool; a
 call that lost more workers than ``fiber.pool.allowed-failures`` fails with
 :class:`~fiber_dask.errors.BrokenProcessPool` (cause: the pool's
@@ -48,7 +54,9 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -393,24 +401,29 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
         *iterables: Iterable,
         timeout: float | None = None,
         chunksize: int = 1,
-        **kwargs: Any,
+        buffersize: int | None = None,
     ):
         """Returns an iterator equivalent to ``map(fn, *iterables)``.
 
-        As the stdlib's: the calls are submitted at once (``chunksize`` of them
-        per task), the results come lazily and in order, ``TimeoutError`` if
-        the whole iterator is not ready within ``timeout`` seconds of this call,
-        and the first call that raised raises when its result is reached.
-        ``buffersize=`` is passed on where the stdlib has it (3.14+).
+        As the stdlib's: the results come lazily and in order, ``TimeoutError``
+        if the whole iterator is not ready within ``timeout`` seconds of this
+        call, and the first call that raised raises when its result is reached.
+        ``chunksize`` arguments travel per task.
+
+        ``buffersize`` (Python 3.14's argument, here on every Python): at most
+        that many tasks (chunks) are submitted and not yet yielded; the input
+        is read one chunk further each time a result is taken, so an endless
+        iterable (``itertools.count()``) works.  ``None`` (the default)
+        submits everything at once, as before 3.14.
         """
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        results = Executor.map(
+        results = _buffered_map(
             self,
             _Chunked(fn),
-            _get_chunks(*iterables, chunksize=chunksize),
-            timeout=timeout,
-            **kwargs,
+            (_get_chunks(*iterables, chunksize=chunksize),),
+            timeout,
+            buffersize,
         )
         return _chain_from_iterable_of_lists(results)
 
@@ -436,6 +449,49 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
             self._pool.join()
 
     shutdown.__doc__ = Executor.shutdown.__doc__
+
+    def terminate_workers(self) -> None:
+        """Python 3.14's: shut down at once and end the workers with SIGTERM.
+
+        As the stdlib's: ``shutdown(wait=False, cancel_futures=True)``, then
+        each worker process still alive gets SIGTERM.  The executor is broken
+        afterwards: the calls that were running fail with
+        :class:`BrokenProcessPool`, ``submit`` raises it.  Here on every
+        Python; a worker process is the slot process of the executor's pool on
+        its Dask worker's host (with ``fiber.pool.slots: thread`` there is no
+        process of its own to signal: the running calls are interrupted and
+        the Dask workers stay).
+        """
+        self._force_shutdown(_TERMINATE)
+
+    def kill_workers(self) -> None:
+        """Python 3.14's: as :meth:`terminate_workers`, with SIGKILL."""
+        self._force_shutdown(_KILL)
+
+    def _force_shutdown(self, operation: str) -> None:
+        if operation not in _FORCE_OPERATIONS:
+            raise ValueError(f"Unsupported operation: {operation!r}")
+        self.shutdown(wait=False, cancel_futures=True)
+        self._break(
+            f"The executor's worker processes were ended by {operation}_workers(); "
+            "the process pool is not usable anymore.",
+            PoolTerminatedError(f"{operation}_workers() was called"),
+        )
+        signum = signal.SIGTERM if operation == _TERMINATE else signal.SIGKILL
+        engine = self._pool._engine
+        # The pool is terminated first (it sends and re-runs nothing more, and
+        # fails the calls that were running: BrokenProcessPool, as the
+        # stdlib's executor fails them when it sees its workers die), then
+        # its slot processes get the signal and up to _SIGNAL_GRACE s to end,
+        # and only then are its loops told to stop: a process that survives
+        # the signal (a handler that returns) is ended as the pool's
+        # terminate() ends it, where the stdlib's would leave it running.
+        try:
+            engine.terminate(
+                first=lambda processes: _end_slot_processes(engine, processes, signum)
+            )
+        except Exception:  # noqa: BLE001 - ended already (fiber_dask.shutdown())
+            logger.debug("fiber-dask: terminating the pool failed", exc_info=True)
 
     def __del__(self) -> None:
         # Dropped without shutdown(): let the pool's loops go without blocking.
@@ -608,6 +664,149 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
     def _outstanding(self) -> int:
         with self._shutdown_lock:
             return len(self._pending) + self._handed
+
+
+#: The operations of ``_force_shutdown`` (Python 3.14's names and values).
+_TERMINATE = "terminate"
+_KILL = "kill"
+_FORCE_OPERATIONS = frozenset({_TERMINATE, _KILL})
+
+
+#: Seconds ``terminate_workers()`` waits for its signals to be delivered.
+_SIGNAL_WAIT = 5.0
+#: Seconds a signalled slot process gets to end (a SIGTERM handler to run)
+#: before the pool's own terminate interrupts what it runs.
+_SIGNAL_GRACE = 1.0
+
+
+def _signal_process(pid: int, signum: int) -> bool:
+    """Send ``signum`` to the slot process ``pid`` of this host; never to the
+    process calling this (a thread slot's pid is its Dask worker's).  True
+    if it was sent."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        return False  # it ended before the signal, as the stdlib's ProcessLookupError
+    return True
+
+
+def _signal_on_worker(pids: dict, signum: int, dask_worker: Any = None) -> list:
+    """On each Dask worker (``client.run``): signal its host's slot processes;
+    returns the pids signalled."""
+    return [p for p in pids.get(dask_worker.address, ()) if _signal_process(p, signum)]
+
+
+def _signal_processes(client: Any, processes: list, signum: int) -> set[int]:
+    """Deliver ``signum`` to each ``(worker address, pid)`` slot process where
+    it runs: through its Dask worker, which shares its host (an early slot,
+    worker None, runs on this host).  Returns the pids signalled once
+    delivered, or what was delivered after ``_SIGNAL_WAIT`` s."""
+    sent: set[int] = set()
+    remote: dict[str, list[int]] = {}
+    for worker, pid in processes:
+        if not isinstance(pid, int):
+            continue
+        if worker is None:
+            if _signal_process(pid, signum):
+                sent.add(pid)
+        else:
+            remote.setdefault(worker, []).append(pid)
+    if not remote:
+        return sent
+    answers: dict = {}
+
+    def run() -> None:
+        try:
+            answers.update(
+                client.run(_signal_on_worker, remote, signum, workers=list(remote))
+            )
+        except Exception:  # noqa: BLE001 - a worker or the client is gone
+            logger.debug("fiber-dask: signalling slot processes", exc_info=True)
+
+    thread = threading.Thread(target=run, name="fiber-signal-slots", daemon=True)
+    thread.start()
+    thread.join(_SIGNAL_WAIT)
+    for pids in list(answers.values()):
+        sent.update(pids)
+    return sent
+
+
+def _end_slot_processes(engine: Any, processes: list, signum: int) -> None:
+    """Signal the processes, then give them ``_SIGNAL_GRACE`` s to hang up
+    (the pool's terminate then interrupts those still there)."""
+    sent = _signal_processes(engine._client, processes, signum)
+    deadline = time.monotonic() + _SIGNAL_GRACE
+    while sent and time.monotonic() < deadline:
+        with engine._lock:
+            if not any(p.pid in sent for p in engine._peers.values()):
+                return
+        time.sleep(0.01)
+
+
+def _check_buffersize(buffersize: Any) -> None:
+    if buffersize is not None and not isinstance(buffersize, int):
+        raise TypeError("buffersize must be an integer or None")
+    if buffersize is not None and buffersize < 1:
+        raise ValueError("buffersize must be None or > 0")
+
+
+def _buffered_map(
+    executor: Executor,
+    fn: Callable,
+    iterables: tuple,
+    timeout: float | None,
+    buffersize: int | None,
+):
+    """``Executor.map`` as Python 3.14 defines it, ``buffersize`` included.
+
+    Without ``buffersize`` every call is submitted now.  With it, the first
+    ``buffersize`` are, and each result taken submits the next input's call
+    before it waits: at most ``buffersize`` calls are submitted and not yet
+    yielded, and the input is read no further than that (an endless one
+    works).  The executor is held weakly, so that the iterator does not keep
+    it alive.
+    """
+    _check_buffersize(buffersize)
+    end = None if timeout is None else time.monotonic() + timeout
+    args = zip(*iterables)  # noqa: B905 - as map(): stops at the shortest
+    if buffersize is None:
+        fs = collections.deque(executor.submit(fn, *a) for a in args)
+        more = None
+    else:
+        fs = collections.deque(
+            executor.submit(fn, *a) for a in itertools.islice(args, buffersize)
+        )
+        more = args
+    return _results(fs, more, weakref.ref(executor), fn, end)
+
+
+def _results(fs: collections.deque, more: Any, executor_ref: Any, fn: Callable, end):
+    try:
+        while fs:
+            if more is not None:
+                executor = executor_ref()
+                following = next(more, None) if executor is not None else None
+                if following is not None:
+                    fs.append(executor.submit(fn, *following))
+                del executor
+            left = None if end is None else end - time.monotonic()
+            # Not holding the future once it is yielded (the stdlib's care).
+            yield _result_or_cancel(fs.popleft(), left)
+    finally:
+        for future in fs:
+            future.cancel()
+
+
+def _result_or_cancel(future: Future, timeout: float | None):
+    try:
+        try:
+            return future.result(timeout)
+        finally:
+            future.cancel()
+    finally:
+        del future
 
 
 def _get_chunks(*iterables: Iterable, chunksize: int):

@@ -242,7 +242,7 @@ class _ManagedSemaphore:
         if timeout is not None and timeout < 0:
             timeout = None
         me = _conn_id()
-        return self._state.acquire(blocking, timeout, me, me)
+        return self._state.acquire(blocking, timeout, me, sid=me)
 
     def release(self) -> None:
         me = _conn_id()

@@ -176,6 +176,18 @@ class Process(BaseProcess):
 
     pid = ident
 
+    def interrupt(self) -> None:
+        """Send SIGINT to the process, wherever it runs (Python 3.14's
+        ``Process.interrupt()``, here on every Python).
+
+        Its target gets ``KeyboardInterrupt`` in its main thread; uncaught, the
+        process ends with ``exitcode == 1`` and the traceback on stderr, as a
+        stdlib child does.  A process that has not started yet ends with
+        ``exitcode == -signal.SIGINT``.
+        """
+        self._check_closed()
+        self._popen.interrupt()
+
     @property
     def reason(self) -> str | None:
         """Why the process ended abnormally without an exit status of its own

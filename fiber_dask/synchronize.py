@@ -22,6 +22,8 @@ import uuid
 from multiprocessing import synchronize as _std_synchronize
 from typing import Any
 
+from .comm import lockstats
+from .comm.lockstats import LockHolder
 from .comm.objserver import ServedObject, get_object_server, keep_until_unused, resolve
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Event",
     "Condition",
     "Barrier",
+    "LockHolder",
 ]
 
 # The stdlib module's constants (its SemLock kinds and the semaphore limit).
@@ -49,15 +52,35 @@ def _me() -> tuple:
     return (_HOST, os.getpid(), threading.get_ident())
 
 
+def _my_name() -> str:
+    """The acquirer's process name, for :meth:`Semaphore.holders`."""
+    from multiprocessing import current_process
+
+    return current_process().name
+
+
 class SemaphoreState(ServedObject):
     """A counting semaphore; ``maxvalue`` bounds releases, ``recursive`` makes
     it an RLock (owner-reentrant)."""
 
-    def __init__(self, value: int, maxvalue: int | None, recursive: bool) -> None:
+    def __init__(
+        self,
+        value: int,
+        maxvalue: int | None,
+        recursive: bool,
+        kind: str = "Semaphore",
+        site: str = "?",
+    ) -> None:
         self.value = value
         self.maxvalue = maxvalue
         self.recursive = recursive
+        self.kind = kind  # the class that made it, where held locks are listed
+        self.site = site  # file:line of the user's code that made it
+        self.oid = "?"  # its object id, once served
+        self.conditions = 0  # Conditions made on it in this process
         self.cond = threading.Condition()
+        # Who holds it (lockstats: lock.holders(), fiber-dask info).
+        self.holders = lockstats.Holders()
         self.owner: tuple | None = None  # RLock: (host pid, thread) holding it
         self.count = 0  # RLock recursion depth
         self.holder: tuple | None = None  # Lock: who took it last (Condition)
@@ -71,7 +94,12 @@ class SemaphoreState(ServedObject):
         self.cond_counts: dict[str, list[int]] = {}  # cid -> [sleeping, woken]
 
     def acquire(
-        self, block: bool, timeout: float | None, who: tuple, sid: Any = _OWNER
+        self,
+        block: bool,
+        timeout: float | None,
+        who: tuple,
+        name: str | None = None,
+        sid: Any = _OWNER,
     ) -> bool:
         with self.cond:
             if self.recursive and self.owner == who:
@@ -85,6 +113,7 @@ class SemaphoreState(ServedObject):
             if self.value <= 0 and self.orphans and blocking:
                 self.orphans -= 1  # a dead holder's unit goes to a waiter
                 self.value += 1
+                self.holders.drop_dead()
             self.waiting += blocking
             try:
                 if not self.cond.wait_for(lambda: self.value > 0, timeout):
@@ -96,7 +125,11 @@ class SemaphoreState(ServedObject):
                 self.owner, self.count = who, 1
             self.holder = who
             self.held[sid] = self.held.get(sid, 0) + 1
-            return True
+            first = not self.holders.entries
+            self.holders.add(who, name, sid)
+        if first:
+            lockstats.held()  # outside self.cond: the reporter takes it after its own
+        return True
 
     def release(self, who: tuple, sid: Any = _OWNER) -> None:
         with self.cond:
@@ -109,8 +142,11 @@ class SemaphoreState(ServedObject):
                 if self.count:
                     return
                 self.owner = None
+                self.holders.drop(who=who)
             elif self.maxvalue is not None and self.value >= self.maxvalue:
                 raise ValueError("semaphore or lock released too many times")
+            else:
+                self.holders.drop(session=sid)
             if not self._forget(sid) and self.orphans:
                 self.orphans -= 1  # the hand-off of a unit its dead holder took
             self.holder = None
@@ -144,10 +180,23 @@ class SemaphoreState(ServedObject):
         return self.value == 0 and self.holder == who
 
     def cond_wait(
-        self, cid: str, timeout: float | None, who: tuple, sid: Any = _OWNER
+        self,
+        cid: str,
+        timeout: float | None,
+        who: tuple,
+        name: str | None = None,
+        sid: Any = _OWNER,
     ) -> bool:
         """Condition.wait on this lock: release it entirely (whatever its
         recursion depth), wait for a notify or the timeout, take it back."""
+        try:
+            return self._cond_wait(cid, timeout, who, name, sid)
+        finally:
+            lockstats.held()  # held again (outside self.cond, as in acquire)
+
+    def _cond_wait(
+        self, cid: str, timeout: float | None, who: tuple, name: Any, sid: Any
+    ) -> bool:
         with self.cond:
             if not self._held_by(who):
                 raise AssertionError("must acquire() condition before using wait()")
@@ -158,6 +207,7 @@ class SemaphoreState(ServedObject):
             counts[0] += 1  # sleeping
             self.owner, self.count, self.holder = None, 0, None
             self._forget(sid)
+            self.holders.drop(session=sid, who=who)
             self.value += 1
             self.cond.notify_all()
             notified = False
@@ -175,6 +225,7 @@ class SemaphoreState(ServedObject):
                     self.owner, self.count = who, count
                 self.holder = who
                 self.held[sid] = self.held.get(sid, 0) + 1
+                self.holders.add(who, name, sid)
             return notified
 
     def cond_info(self, cid: str) -> tuple[int, int, int]:
@@ -200,15 +251,53 @@ class SemaphoreState(ServedObject):
         with self.cond:
             return self.owner == who
 
+    def get_holders(self) -> list[tuple]:
+        """Who holds it now, the longest first: :class:`LockHolder` fields."""
+        with self.cond:
+            return self.holders.listed()
+
+    def is_held(self) -> bool:
+        with self.cond:
+            return bool(self.holders.entries)
+
+    def report(self) -> dict | None:
+        """What lockstats sends to the scheduler while it is held, else None."""
+        with self.cond:
+            if not self.holders.entries:
+                return None
+            holders = self.holders.listed()
+            waiting = self.waiting
+            value = self.value
+        kind = self.kind
+        if self.conditions and kind in ("Lock", "RLock"):
+            kind = f"Condition ({kind})"
+        return {
+            "id": self.oid,
+            "kind": kind,
+            "site": self.site,
+            "value": value,
+            "waiting": waiting,
+            "holders": [
+                lockstats.holder_dict(h) for h in holders[: lockstats.MAX_LISTED]
+            ],
+        }
+
     def serve(self, op: str, args: tuple, session: dict) -> Any:
         sid = session.setdefault("id", object())
         if op == "acquire":
-            return self.acquire(*args, sid)
+            return self.acquire(*args, sid=sid)
         if op == "release":
             return self.release(*args, sid)
         if op == "cond_wait":
-            return self.cond_wait(*args, sid)
-        if op in ("get_value", "is_mine", "cond_notify", "cond_info", "get_maxvalue"):
+            return self.cond_wait(*args, sid=sid)
+        if op in (
+            "get_value",
+            "is_mine",
+            "cond_notify",
+            "cond_info",
+            "get_maxvalue",
+            "get_holders",
+        ):
             return getattr(self, op)(*args)
         raise ValueError(f"unknown semaphore operation {op!r}")
 
@@ -218,6 +307,7 @@ class SemaphoreState(ServedObject):
             n = self.held.pop(sid, 0)
             if n <= 0:
                 return
+            self.holders.gone(sid, release=self.recursive)
             if self.recursive:
                 # Nobody else may release an RLock: free it now.
                 self.owner, self.count, self.holder = None, 0, None
@@ -230,6 +320,8 @@ class SemaphoreState(ServedObject):
                 given = min(self.waiting, self.orphans)
                 self.orphans -= given
                 self.value += given
+                for _ in range(given):
+                    self.holders.drop_dead()
                 self.cond.notify_all()
 
 
@@ -240,6 +332,9 @@ class ServedHandle:
     def _create(self, state: ServedObject) -> None:
         server = get_object_server()
         oid = server.add(state)
+        if isinstance(state, SemaphoreState):
+            state.oid = oid
+            lockstats.watch(state)
         self._ref = (server.address, server.authkey, oid)
         self._target = state
         keep_until_unused(state, self, oid)
@@ -274,13 +369,34 @@ class Semaphore(ServedHandle):
             raise ValueError("semaphore initial value must be >= 0")
         self._create(
             SemaphoreState(
-                value, value if self._maxvalue_of_value else None, self._recursive
+                value,
+                value if self._maxvalue_of_value else None,
+                self._recursive,
+                type(self).__name__,
+                lockstats.creation_site(),
             )
         )
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         """Take one unit; ``False`` if none came within ``timeout`` s."""
-        return self._call("acquire", block, timeout, _me())
+        return self._call("acquire", block, timeout, _me(), _my_name())
+
+    def holders(self) -> list[LockHolder]:
+        """Who holds it now, the longest first (beyond the stdlib).
+
+        One :class:`~fiber_dask.comm.lockstats.LockHolder` per unit held: the
+        holding process's name, pid, host and thread, since when (Unix time)
+        and for how many seconds; ``alive`` False for a holder whose process
+        has gone.  Empty when nobody holds it.  Asks the process that owns
+        the lock (one round trip from another process).
+        """
+        return [LockHolder(*h) for h in self._call("get_holders")]
+
+    def holder(self) -> LockHolder | None:
+        """Who holds it (the longest holder of a semaphore), or None (beyond
+        the stdlib); see :meth:`holders`."""
+        held = self.holders()
+        return held[0] if held else None
 
     def release(self) -> None:
         """Give one unit back (any process may)."""
@@ -418,9 +534,21 @@ class Condition:
             )
         self._lock = lock
         self._cid = uuid.uuid4().hex
+        target = getattr(lock, "_target", None)
+        if isinstance(target, SemaphoreState):  # its lock is this process's
+            with target.cond:
+                target.conditions += 1
 
     def __reduce__(self):
         return (_rebuild_condition, (self._lock, self._cid))
+
+    def holders(self) -> list[LockHolder]:
+        """Who holds its lock (beyond the stdlib); see :meth:`Semaphore.holders`."""
+        return self._lock.holders()
+
+    def holder(self) -> LockHolder | None:
+        """Who holds its lock, or None (beyond the stdlib)."""
+        return self._lock.holder()
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         return self._lock.acquire(block, timeout)
@@ -436,7 +564,7 @@ class Condition:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Release the lock, wait for a notify (or ``timeout``), take it back."""
-        return self._lock._call("cond_wait", self._cid, timeout, _me())
+        return self._lock._call("cond_wait", self._cid, timeout, _me(), _my_name())
 
     def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
         import time

@@ -133,6 +133,32 @@ def test_attach_by_scheduler_address_pool_process_queue_pipe_lock(
     assert set(r["nested_pool"]["hosts"]) <= set(ips.values())
 
 
+def test_python_314_additions_and_lock_holders_across_hosts(
+    net, cluster, client_host, tmp_path
+):
+    """Process.interrupt() reaches a child on w2; lock.holder() names a holder
+    on w3, asked from the client and from w1; terminate_workers() signals the
+    executor's slot processes on the worker hosts."""
+    ips = worker_ips(net)
+    r = run_client(
+        client_host, cluster, "py314", {"workers": ips, "dir": str(tmp_path)}
+    )
+    w1, w2, w3 = (ips[n] for n in WORKERS)
+    assert r["interrupt"] == [w2, 1]
+    holder = r["holder"]
+    assert holder["where"] == w3
+    assert holder["here"] == ["holder-on-w3", True, True, True]
+    assert holder["asked_from"] == w1
+    assert holder["there"] == ["holder-on-w3", True]
+    assert holder["after"] is None
+    terminate = r["terminate"]
+    assert set(terminate["hosts"]) <= set(ips.values())
+    assert terminate["signalled"] is True
+    assert set(terminate["outcomes"]) <= {"BrokenProcessPool", "cancelled"}
+    assert terminate["outcomes"].count("BrokenProcessPool") >= len(WORKERS)
+    assert r["submit_after"] == "BrokenProcessPool"
+
+
 def test_manager_across_hosts(net, cluster, client_host):
     ips = worker_ips(net)
     r = run_client(client_host, cluster, "manager", {"workers": ips})

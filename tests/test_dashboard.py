@@ -545,3 +545,93 @@ def test_info_lists_the_pools_of_programs_on_fiber_dask_up(tmp_path):
             owner.wait(30)
         down = command("down")
         assert down.returncode == 0, down.stderr
+
+
+# ---------------------------------------------------------------- held locks
+
+
+def _held(base: str, lock) -> dict | None:
+    """This lock's entry in the scheduler's JSON, or None."""
+    oid = lock._ref[2]
+    for entry in get_json(base + "/fiber/pools.json")["locks"]:
+        if entry["id"] == oid:
+            return entry
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_held_locks_are_listed_by_the_json_the_page_and_info(fiber_ctx):
+    """A Lock held by a child: the embedded cluster's /fiber/pools.json, the
+    Fiber Pools page's header and ``fiber-dask info`` (text and JSON) name
+    the holding process, its host and how long it has held it; released, it
+    is gone from all of them."""
+    import socket
+
+    from tasks.process import hold_lock
+
+    client = fiber_dask.get_client()
+    base = http_base(client)
+    lock = fiber_ctx.Lock()
+    started, release = fiber_ctx.Event(), fiber_ctx.Event()
+    p = fiber_ctx.Process(
+        target=hold_lock, args=(lock, started, release), name="lock-keeper"
+    )
+    p.start()
+    try:
+        assert started.wait(60)
+        entry = wait_until(lambda: _held(base, lock), 30, "the lock's report")
+        assert entry["kind"] == "Lock"
+        assert entry["site"].startswith("test_dashboard.py:")
+        assert entry["owner"]["pid"] == os.getpid()
+        (h,) = entry["holders"]
+        assert (h["process"], h["pid"], h["host"], h["alive"]) == (
+            "lock-keeper",
+            p.pid,
+            socket.gethostname(),
+            True,
+        )
+        wait_until(
+            lambda: _held(base, lock)["holders"][0]["held_for"] > h["held_for"],
+            10,
+            "the holding time to grow",
+        )
+        assert "lock-keeper (pid" in dashboard._header(
+            get_json(base + "/fiber/pools.json")
+        )
+        text = info(client.scheduler.address)
+        assert text.returncode == 0, text.stderr
+        lines = text.stdout.splitlines()
+        (row,) = [x for x in lines if x.startswith("locks:")]
+        assert row.split()[-1] == "held"
+        (line,) = [x for x in lines if lock._ref[2] in x]
+        assert line.startswith(f"  Lock {lock._ref[2]} (made at test_dashboard.py:")
+        assert f"held by lock-keeper (pid {p.pid} on {socket.gethostname()}) for " in (
+            line
+        )
+        data = json.loads(info(client.scheduler.address, "--json").stdout)
+        (listed,) = [x for x in data["locks"] if x["id"] == lock._ref[2]]
+        assert listed["holders"][0]["pid"] == p.pid
+    finally:
+        release.set()
+        p.join(60)
+    wait_until(lambda: _held(base, lock) is None, 30, "the released lock to go")
+
+
+def test_lock_store_keeps_only_known_fields_and_drops_a_process_that_holds_none():
+    from fiber_dask.comm import lockstats
+
+    store = lockstats.LockStore()
+    holder = {"process": "P-1", "pid": "7", "host": "h", "held_for": 2, "x": 1}
+    lock = {"id": "a-1", "kind": "RLock", "holders": [holder], "junk": "y"}
+    owner = {"host": "h", "pid": 5, "program": "p.py"}
+    store.update("r1", owner, [lock, "junk"], "c1", lockstats.VERSION)
+    store.update("r2", owner, [lock], "c1", lockstats.VERSION + 1)  # ignored
+    (got,) = store.document()
+    assert got["kind"] == "RLock" and "junk" not in got
+    assert got["holders"][0]["pid"] == 7 and "x" not in got["holders"][0]
+    assert got["owner"] == owner
+    store.update("r1", owner, [], "c1", lockstats.VERSION)  # none held now
+    assert store.document() == []
+    store.update("r1", owner, [lock], "c1", lockstats.VERSION)
+    store.drop_client("c1")
+    assert store.document() == []

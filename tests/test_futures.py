@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.process
 import contextlib
+import itertools
 import multiprocessing
 import os
 import pathlib
@@ -553,3 +554,107 @@ def test_fiber_calls_pending_at_exit_are_completed_first(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists()
+
+
+# --------------------------------------- Python 3.14's additions, on every Python
+
+
+@pytest.mark.parametrize("operation", ["terminate_workers", "kill_workers"])
+def test_fiber_terminate_and_kill_workers_end_a_busy_executor(operation, tmp_path):
+    """3.14's terminate_workers()/kill_workers(): shutdown(wait=False,
+    cancel_futures=True), then SIGTERM/SIGKILL to each worker process; the
+    calls that were running fail with BrokenProcessPool, the queued ones are
+    cancelled, the executor is broken, the processes are gone."""
+    ex = fiber_dask.futures.ProcessPoolExecutor(2)
+    try:
+        handed = ex._limit  # calls handed to the pool; the rest stay cancellable
+        futures = [
+            ex.submit(hf.trap_then_wait, str(tmp_path), x) for x in range(handed + 3)
+        ]
+        started = wait_until(
+            lambda: len(_started(tmp_path)) == 2 and _started(tmp_path),
+            60,
+            "both workers to run a call",
+        )
+        pids = sorted(pid for _, pid in started)
+        getattr(ex, operation)()
+        for pid in pids:
+            wait_until(lambda: _gone(pid), 30, f"worker process {pid} to be gone")
+        # (cancelled futures are done but not "notified": as the stdlib's,
+        # concurrent.futures.wait() would not count them)
+        wait_until(lambda: all(f.done() for f in futures), 30, "every call to end")
+        for x, pid in started:
+            with pytest.raises(BrokenProcessPool, match=operation):
+                futures[x].result()
+        assert [f.cancelled() for f in futures[handed:]] == [True] * 3
+        for f in futures:
+            assert f.cancelled() or isinstance(f.exception(), BrokenProcessPool)
+        with pytest.raises(RuntimeError):
+            ex.submit(square, 2)
+        signalled = sorted(int(p.name[8:]) for p in tmp_path.glob("sigterm-*"))
+        if operation == "terminate_workers":
+            assert signalled == pids  # the SIGTERM reached each, where it ran
+        else:
+            assert signalled == []
+        # Ended by the signal, not by the pool's interrupt (whose exception
+        # would have run the task's finally block).
+        assert list(tmp_path.glob("finally-*")) == []
+    finally:
+        (tmp_path / "go").touch()
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def test_fiber_terminate_workers_after_a_shutdown_or_twice_is_harmless():
+    ex = fiber_dask.futures.ProcessPoolExecutor(1)
+    assert ex.submit(square, 3).result(timeout=60) == 9
+    ex.shutdown()
+    ex.terminate_workers()
+    ex.kill_workers()
+    with pytest.raises(ValueError, match="Unsupported operation"):
+        ex._force_shutdown("pause")
+
+
+def _counting(source, drawn):
+    for item in source:
+        drawn.append(item)
+        yield item
+
+
+def test_fiber_map_buffersize_reads_an_endless_input_lazily():
+    """3.14's map(..., buffersize=): at most buffersize calls submitted and not
+    yet yielded; each result taken submits one more (itertools.count() works)."""
+    drawn: list[int] = []
+    with fiber_dask.futures.ProcessPoolExecutor(2) as ex:
+        results = ex.map(square, _counting(itertools.count(), drawn), buffersize=3)
+        assert drawn == [0, 1, 2]  # the first buffersize, at once
+        assert [next(results) for _ in range(5)] == [0, 1, 4, 9, 16]
+        assert len(drawn) == 3 + 5
+        results.close()  # the buffered calls are cancelled or done
+        # chunksize: buffersize counts chunks, as the stdlib's
+        drawn.clear()
+        chunked = ex.map(
+            square, _counting(itertools.count(), drawn), chunksize=2, buffersize=2
+        )
+        assert len(drawn) == 2 * 2
+        assert [next(chunked) for _ in range(5)] == [0, 1, 4, 9, 16]
+        assert len(drawn) == 2 * (2 + 3)  # 3 chunks yielded from
+        chunked.close()
+        # a finite input, a second iterable, a timeout: as without buffersize
+        assert list(ex.map(add, range(7), range(7), buffersize=2, timeout=60)) == [
+            2 * i for i in range(7)
+        ]
+        with pytest.raises(CustomError):
+            list(ex.map(raise_custom, range(3), buffersize=1))
+
+
+def test_fiber_map_buffersize_is_checked_as_the_stdlibs():
+    import inspect
+
+    with fiber_dask.futures.ProcessPoolExecutor(1) as ex:
+        with pytest.raises(ValueError, match="buffersize must be None or > 0"):
+            ex.map(square, [1], buffersize=0)
+        with pytest.raises(TypeError, match="buffersize must be an integer or None"):
+            ex.map(square, [1], buffersize=2.0)
+    params = inspect.signature(fiber_dask.futures.ProcessPoolExecutor.map).parameters
+    assert list(params)[1:] == ["fn", "iterables", "timeout", "chunksize", "buffersize"]
+    assert params["buffersize"].default is None

@@ -132,6 +132,54 @@ def test_terminate_and_kill_cpu_bound_target(Proc, tmp_path, method, signum):
 
 
 @pytest.mark.timeout(60)
+def test_interrupt_raises_keyboardinterrupt_in_the_child(Proc, tmp_path, capfd):
+    """Python 3.14's Process.interrupt(): SIGINT to the child (fiber-dask's on
+    every Python, wherever the child runs; the 3.11 stdlib oracle gets the
+    os.kill its 3.14 version makes).  Uncaught, the KeyboardInterrupt ends it
+    with exit code 1 and its traceback on stderr."""
+    path = str(tmp_path / "spinning")
+    p = Proc(target=hp.spin, args=(path,))
+    p.start()
+    wait_for_file(path)
+    if is_fiber(Proc) or hasattr(p, "interrupt"):
+        p.interrupt()
+    else:
+        os.kill(p.pid, signal.SIGINT)
+    p.join(10)
+    assert not p.is_alive()
+    assert p.exitcode == 1
+    assert gone(p.pid)
+    if is_fiber(Proc):  # (the stdlib's forkserver writes to the fd it started with)
+        err = capfd.readouterr().err
+        assert "KeyboardInterrupt" in err and f"Process {p.name}:" in err
+
+
+@pytest.mark.timeout(60)
+def test_fiber_interrupt_while_the_child_starts_is_not_lost(tmp_path):
+    """A SIGINT that reaches the child before its target runs (its worker
+    ignores SIGINT) is held and acted on: the child ends, it does not spin on."""
+    path = tmp_path / "spinning"
+    p = Process(target=hp.spin, args=(str(path),))
+    p.start()
+    assert p.pid  # running on its worker, still starting up
+    p.interrupt()
+    p.join(20)
+    assert not p.is_alive(), "the interrupt was lost: the target spins on"
+    # Before run(): ended by the signal; had run() begun: its KeyboardInterrupt.
+    assert p.exitcode == (1 if path.exists() else -signal.SIGINT)
+
+
+@pytest.mark.timeout(60)
+def test_fiber_interrupt_before_it_started():
+    p = Process(target=hp.spin)
+    p.start()
+    p.interrupt()  # most likely before any launcher connected
+    p.join(10)
+    assert not p.is_alive()
+    assert p.exitcode in (-signal.SIGINT, 1)
+
+
+@pytest.mark.timeout(60)
 def test_join_timeout_returns_while_alive(Proc, tmp_path):
     path = str(tmp_path / "spinning")
     p = Proc(target=hp.spin, args=(path,))

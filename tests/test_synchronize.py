@@ -377,3 +377,94 @@ def test_event_repr_is_the_stdlibs(ctx):
     assert repr(ev).startswith("<Event at 0x") and repr(ev).endswith(" unset>")
     ev.set()
     assert repr(ev).endswith(" set>")
+
+
+# ------------------------------------------- who holds a lock (beyond the stdlib)
+
+
+@pytest.mark.parametrize("kind", ["Lock", "RLock", "Semaphore", "Condition"])
+def test_fiber_holder_names_the_holding_process_its_host_and_for_how_long(
+    fiber_ctx, kind
+):
+    import socket
+
+    from support.wait import wait_until
+    from tasks.process import ask_holder, hold_lock
+
+    from fiber_dask.synchronize import LockHolder
+
+    lock = getattr(fiber_ctx, kind)()
+    assert lock.holder() is None and lock.holders() == []
+    started, release = fiber_ctx.Event(), fiber_ctx.Event()
+    name = f"holds-the-{kind}"
+    holder = fiber_ctx.Process(
+        target=hold_lock, args=(lock, started, release), name=name
+    )
+    holder.start()
+    try:
+        assert started.wait(60)
+        here = lock.holder()  # asked in the lock's owner (this process)
+        assert isinstance(here, LockHolder)
+        assert (here.process, here.pid, here.host) == (
+            name,
+            holder.pid,
+            socket.gethostname(),
+        )
+        assert here.alive and here.thread
+        assert 0 <= here.held_for < 60
+        assert abs(here.since + here.held_for - time.time()) < 5
+        wait_until(
+            lambda: lock.holder().held_for > here.held_for + 0.05,
+            10,
+            "the holding time to grow",
+        )
+        assert len(lock.holders()) == 1
+        # Asked from another process: a round trip to the owner.
+        answers = fiber_ctx.Queue()
+        asker = fiber_ctx.Process(target=ask_holder, args=(lock, answers))
+        asker.start()
+        there = answers.get(timeout=60)
+        asker.join(30)
+        assert isinstance(there, LockHolder)
+        assert (there.process, there.pid, there.host) == (name, holder.pid, here.host)
+        assert there.since == here.since and there.held_for > here.held_for
+    finally:
+        release.set()
+        holder.join(60)
+    assert holder.exitcode == 0
+    assert lock.holder() is None and lock.holders() == []
+
+
+def test_fiber_holders_of_a_semaphore_and_of_a_dead_lock_holder(fiber_ctx):
+    from tasks.process import hold_lock
+
+    sem = fiber_ctx.Semaphore(3)
+    with sem:
+        with sem:
+            held = sem.holders()
+            assert [h.pid for h in held] == [os.getpid()] * 2
+            assert held[0].since <= held[1].since
+        assert len(sem.holders()) == 1
+    assert sem.holders() == []
+    # A Lock's holder that dies keeps it held (for a hand-off), shown as gone.
+    lock = fiber_ctx.Lock()
+    started, release = fiber_ctx.Event(), fiber_ctx.Event()
+    p = fiber_ctx.Process(target=hold_lock, args=(lock, started, release))
+    p.start()
+    assert started.wait(60)
+    pid = p.pid
+    os.kill(pid, signal.SIGKILL)
+    p.join(30)
+    from support.wait import wait_until
+
+    gone = wait_until(
+        lambda: (h := lock.holder()) is not None and not h.alive and h,
+        30,
+        "the holder's death to show",
+    )
+    assert gone.pid == pid
+    assert lock.acquire(timeout=30)  # a waiter takes the dead holder's unit
+    (mine,) = lock.holders()
+    assert (mine.pid, mine.alive) == (os.getpid(), True)
+    lock.release()
+    assert lock.holder() is None

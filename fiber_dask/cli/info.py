@@ -40,8 +40,11 @@ def info(
     memory, the batch jobs (SLURM, PBS, SGE, LSF, HTCondor: id and state), the
     live pools of the programs using the cluster (done, in flight, queued,
     failed, re-runs, items per second, each slot's busy fraction: what the
-    dashboard's fiber-pools page shows) and the dashboard link.  A cluster that fiber-dask starts for this (the embedded one, a
-    new Kubernetes cluster, batch jobs) is closed again afterwards (its jobs
+    dashboard's fiber-pools page shows), the held locks (Lock, RLock,
+    Semaphore, Condition: which process holds each, on which host, for how
+    long) and the dashboard link.  A cluster that fiber-dask starts for this
+    (the embedded one, a new Kubernetes cluster, batch jobs) is closed again
+    afterwards (its jobs
     cancelled), so its dashboard link is dead once this returns: --keep keeps it
     until Ctrl-C, and `fiber-dask up` starts a local cluster that stays.  One it
     attaches to keeps running.
@@ -129,6 +132,8 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
         has_bokeh = False
     pool_document = _pool_document(client)
     pools = None if pool_document is None else pool_document["pools"]
+    # None: the scheduler's plugin takes no lock reports (none, or an older one)
+    locks = None if pool_document is None else pool_document.get("locks")
     page = None if pool_document is None else pool_document.get("page")
     return {
         "backend": handle.backend,
@@ -145,6 +150,8 @@ def _describe(handle: Any, fiber: dict[str, Any]) -> dict[str, Any]:
         "jobs": jobs,
         # None: the scheduler has no pool-stats plugin (fiber_dask.dashboard)
         "pools": pools,
+        # Held Lock/RLock/Semaphore/Condition objects with their holders
+        "locks": locks,
         "pools_page": (
             urlsplit(dashboard)._replace(path=page, query="").geturl()
             if dashboard and page
@@ -201,6 +208,21 @@ def _pool_lines(
     return f"{len(pools)} live", lines
 
 
+def _lock_lines(locks: list[dict[str, Any]] | None) -> tuple[str, list[str]]:
+    """The ``locks:`` row and one indented line per held lock."""
+    if locks is None:
+        return (
+            "not reported: the scheduler's fiber-dask plugin takes no lock "
+            "reports (none, or an older fiber-dask's)",
+            [],
+        )
+    if not locks:
+        return "none held", []
+    from fiber_dask.comm.lockstats import describe
+
+    return f"{len(locks)} held", [f"  {describe(lock)}" for lock in locks]
+
+
 def _print(data: dict[str, Any]) -> None:
     from dask.utils import format_bytes
 
@@ -235,6 +257,8 @@ def _print(data: dict[str, Any]) -> None:
         rows.append(("jobs", f"{len(jobs)}" + (f": {listed}" if jobs else "")))
     pools_row, pool_lines = _pool_lines(data["pools"], data["owned"])
     rows.append(("pools", pools_row))
+    locks_row, lock_lines = _lock_lines(data.get("locks"))
+    rows.append(("locks", locks_row))
     dashboard = data["dashboard"] or "not served"
     if data["dashboard"] and data["owned"] and not data.get("kept"):
         dashboard += (
@@ -254,4 +278,7 @@ def _print(data: dict[str, Any]) -> None:
         click.echo(f"{(key + ':').ljust(width)} {value}")
         if key == "pools":
             for line in pool_lines:
+                click.echo(line)
+        if key == "locks":
+            for line in lock_lines:
                 click.echo(line)

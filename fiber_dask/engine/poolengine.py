@@ -58,7 +58,7 @@ import time
 import uuid
 import weakref
 from multiprocessing.pool import CLOSE, INIT, RUN, TERMINATE  # the stdlib Pool's
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -540,11 +540,15 @@ class PoolEngine:
                 self.state = CLOSE
         self._wake()
 
-    def terminate(self) -> None:
+    def terminate(self, first: Callable | None = None) -> None:
         """Stop now: interrupt running tasks, fail unfinished jobs.
 
         Returns at once; :meth:`join` waits until the loops have really
-        stopped.
+        stopped.  ``first``, if given, is called with the ``(worker address,
+        pid)`` of each process serving a slot once the pool is terminated
+        (nothing more is sent nor re-run, however those processes end) and
+        before its loops are told (the executor's ``terminate_workers()``
+        signals them there, as the stdlib's does).
         """
         with self._lock:
             if self.state == TERMINATE:
@@ -553,7 +557,15 @@ class PoolEngine:
             self._terminated_at = time.monotonic()
             jobs = list(self._cache)
             self._cache.clear()
-            self.signal(self._peers.values(), proto.TERMINATE)
+            peers = list(self._peers.values())
+            if first is None:
+                self.signal(peers, proto.TERMINATE)
+        if first is not None:
+            try:
+                first([(p.worker, p.pid) for p in peers])
+            finally:
+                with self._lock:
+                    self.signal(peers, proto.TERMINATE)
         self._loops.release_claim()
         self._loops.release(only_unconnected=True)
         err = PoolTerminatedError(

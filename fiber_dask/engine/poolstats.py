@@ -15,6 +15,7 @@ as one long task.  This module is the one owner of how those numbers travel::
                                                   fiber_pools() ─► document()
                                                   (fiber-dask info, the JSON
                                                   endpoint, the dashboard page)
+    held locks (fiber_dask.comm.lockstats) ─ rpc ► fiber_locks_update(...)
     a pool waiting for slots
     (fiber_dask.engine.poolwait) ───────────── rpc ────► fiber_pools_slots(keys=[..])
                                                   ─► slots(): document() plus
@@ -84,6 +85,7 @@ import weakref
 from typing import Any
 
 from .. import cluster
+from ..comm import lockstats
 
 __all__ = [
     "PoolCounters",
@@ -618,6 +620,8 @@ class PoolStore:
         self.scheduler: Any = None
         #: The dashboard page's path, once it is served (fiber_dask.dashboard).
         self.page: str | None = None
+        #: The held locks the programs' processes report (comm.lockstats).
+        self.locks = lockstats.LockStore()
 
     def install(self, scheduler: Any) -> None:
         """Register the handlers on ``scheduler`` and announce the store."""
@@ -626,11 +630,13 @@ class PoolStore:
         scheduler.handlers[_REMOVE] = self.remove
         scheduler.handlers[_QUERY] = self.document
         scheduler.handlers[_SLOTS] = self.slots
+        scheduler.handlers[lockstats.UPDATE] = self.locks.update
         scheduler.extensions["fiber-pools"] = self
-        # "slots": this store answers fiber_pools_slots (fetch_slots asks).
+        # "slots": this store answers fiber_pools_slots (fetch_slots asks);
+        # "locks": it takes the held locks' reports (comm.lockstats asks).
         scheduler.set_metadata(
             keys=METADATA_KEY,
-            value={"version": VERSION, "interval": INTERVAL, "slots": 1},
+            value={"version": VERSION, "interval": INTERVAL, "slots": 1, "locks": 1},
         )
 
     def update(
@@ -663,6 +669,7 @@ class PoolStore:
         """The owner's client went away: its pools with it."""
         for pid in [p for p, c in self._client_of.items() if c == client]:
             self._drop(pid)
+        self.locks.drop_client(client)
 
     def _drop(self, pid: str) -> None:
         self.pools.pop(pid, None)
@@ -675,16 +682,19 @@ class PoolStore:
         for pid, t in list(self._received.items()):
             if now - t > STALE_AFTER:
                 self._drop(pid)
+        self.locks.expire()
 
     def document(self) -> dict[str, Any]:
         """Handler, and what the JSON endpoint serves: every live pool.
 
-        ``{"version", "interval", "stale_after", "page", "pools": [...]}``
-        (``page``: the dashboard page's path, None when not served), each pool
-        with the fields of the module docstring plus ``id``, ``name``,
-        ``state``, ``processes``, ``host``, ``pid``, ``program``, ``started``
-        (Unix time), ``age`` (seconds since its last report) and ``slots``
-        (``name``, ``worker``, ``pid``, ``busy``).
+        ``{"version", "interval", "stale_after", "page", "pools": [...],
+        "locks": [...]}`` (``page``: the dashboard page's path, None when not
+        served), each pool with the fields of the module docstring plus
+        ``id``, ``name``, ``state``, ``processes``, ``host``, ``pid``,
+        ``program``, ``started`` (Unix time), ``age`` (seconds since its last
+        report) and ``slots`` (``name``, ``worker``, ``pid``, ``busy``); each
+        held lock as :meth:`fiber_dask.comm.lockstats.LockStore.document`
+        lists it (``id``, ``kind``, ``site``, ``owner``, ``holders``, ...).
         """
         self.expire()
         now = time.monotonic()
@@ -699,6 +709,7 @@ class PoolStore:
             "stale_after": STALE_AFTER,
             "page": self.page,
             "pools": pools,
+            "locks": self.locks.document(),
         }
 
     def slots(self, keys: list | None = None) -> dict[str, Any]:

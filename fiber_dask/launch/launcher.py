@@ -14,6 +14,7 @@ in the messages of :mod:`fiber_dask.launch.launchprotocol`::
       ── Started(pid) ──────────────►                     payload on stdin,
       ── Output(fd, bytes) ─────────► ◄── pumps ───────── runs
       ◄── Signal(signum) ─────────── os.kill(child)       BaseProcess._bootstrap
+                                     (SIGINT: once it takes it)
       ── Exit(returncode) ──────────► child.wait()
       connection drops ─── PARENT_LOST on stdin ─────────► parent_process() dead;
                            kill after ORPHAN_GRACE s        it may end by itself
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from ..comm import channel
@@ -47,6 +50,7 @@ __all__ = [
 ]
 
 _PIPE_DRAIN = 5.0  # seconds the launcher waits for the child's output after it exits
+_INTERRUPT_WAIT = 10.0  # seconds an interrupt waits for a starting child to take it
 # Seconds a child whose parent died gets to notice (its parent_process() is
 # dead at once) and end by itself before the launcher kills it.
 ORPHAN_GRACE = 5.0
@@ -194,6 +198,38 @@ def _orphaned(child: subprocess.Popen, reaped: threading.Event) -> None:
             pass
 
 
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT now (Linux: its ``SigIgn``
+    mask; elsewhere, or if it cannot be read, False)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _interrupt(child: subprocess.Popen, reaped: threading.Event) -> None:
+    """``Process.interrupt()``: SIGINT to the child, once it can take it.
+
+    The child starts with its worker's disposition, SIGINT ignored (on the
+    embedded cluster), until the first statement of its bootstrap holds what
+    arrives (:data:`~fiber_dask.launch.processchild.BOOT`): a SIGINT sent
+    before that would be lost, so it waits (polling, at most
+    ``_INTERRUPT_WAIT`` s: a target may ignore SIGINT itself).
+    """
+    deadline = time.monotonic() + _INTERRUPT_WAIT
+    while _ignores_sigint(child.pid) and time.monotonic() < deadline:
+        if reaped.wait(0.01):
+            return
+    try:
+        child.send_signal(signal.SIGINT)  # no-op once the child is reaped
+    except OSError:
+        pass
+
+
 def _launch(
     conn: Any, payload: bytes, worker_address, scheduler_address, security=None
 ) -> LaunchResult:
@@ -256,7 +292,14 @@ def _launch(
                     state["parent_lost"] = True
                     _orphaned(child, reaped)
                 return
-            if type(msg) is proto.Signal:
+            if type(msg) is proto.Signal and msg.signum == signal.SIGINT:
+                threading.Thread(
+                    target=_interrupt,
+                    args=(child, reaped),
+                    name="fiber-process-interrupt",
+                    daemon=True,
+                ).start()
+            elif type(msg) is proto.Signal:
                 try:
                     child.send_signal(msg.signum)  # no-op once the child is reaped
                 except OSError:

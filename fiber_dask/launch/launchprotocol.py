@@ -17,7 +17,7 @@ launcher's :class:`Hello`, then each frame is one message (:func:`encode`)::
       ◄── Started(pid) ─────────────────────   the child runs, pid on its host
        or StartFailed(why)                     it could not be started (last)
       ◄── Output(fd, data) ─────────────────   bytes the child wrote to fd 1/2
-      ── Signal(signum) ────────────────────►  terminate(), kill(): os.kill(child)
+      ── Signal(signum) ────────────────────►  terminate(), kill(), interrupt()
       ◄── Exit(returncode) ─────────────────   the child was reaped (last)
 
 A connection that drops is the end of the other side: the parent's Process
@@ -102,7 +102,8 @@ class Payload:
 
 class Signal:
     """Parent → launcher: send ``signum`` to the child (``terminate()``,
-    ``kill()``); a no-op once the child is reaped."""
+    ``kill()``; ``interrupt()``'s SIGINT once the starting child takes it); a
+    no-op once the child is reaped."""
 
     __slots__ = ("signum",)
     tag = "S"

@@ -21,6 +21,7 @@ signals, and reports the exit::
       ◄── Started(pid) ─────────────────                                  payload on stdin,
       ◄── Output(fd, bytes) ──────────── pumps the child's stdout/err ◄── runs
       ── Signal(signum) ───────────────► os.kill(child)                   BaseProcess._bootstrap
+         (terminate, kill, interrupt)
       ◄── Exit(returncode) ──────────── child.wait()
 
 * The payload (the Process object's state, cloudpickled: target or an
@@ -196,6 +197,10 @@ class Popen:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def interrupt(self) -> None:
+        """SIGINT to the child, where it runs (Python 3.14's ``Popen.interrupt``)."""
+        self._signal(signal.SIGINT)
+
     def close(self) -> None:
         self._fds_finalizer()
 
@@ -230,7 +235,10 @@ class Popen:
             conn = self._conn
             if conn is None:
                 # No launcher has connected: none ever will (the service goes).
-                self._finish_locked(-signum, "terminated before it started")
+                self._finish_locked(
+                    -signum,
+                    f"ended by {signal.Signals(signum).name} before it started",
+                )
                 release = True
             else:
                 release = False

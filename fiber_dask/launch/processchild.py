@@ -34,7 +34,16 @@ PARENT_LOST = b"P"
 #: fiber_dask.launch.processchild``: importing the package imports this module too
 #: (through the launcher), and runpy then warns on the child's stderr, where
 #: the stdlib's child prints nothing.
-BOOT = "import sys; from fiber_dask.launch.processchild import main; sys.exit(main())"
+#:
+#: Its first statement holds a SIGINT (``Process.interrupt()``, a terminal's
+#: Ctrl-C) that arrives while the child starts, when its worker's disposition
+#: (ignored) would have dropped it: :func:`main` acts on it once the target
+#: may take SIGINT.
+BOOT = (
+    "import signal, sys; held = []; "
+    "signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)); "
+    "from fiber_dask.launch.processchild import main; sys.exit(main(held))"
+)
 
 
 def _die_with_parent() -> None:
@@ -95,7 +104,8 @@ def _watchdog(fd: int, sentinel_w: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> int:
+def main(held: list | None = None) -> int:
+    """The child's start; ``held``: the SIGINTs that arrived while it started."""
     _die_with_parent()
     # Keep the launcher's pipe on a private fd; the target gets /dev/null as
     # stdin, as with the stdlib (its bootstrap closes stdin).
@@ -163,6 +173,11 @@ def main() -> int:
 
     # As a stdlib child (its worker process may ignore SIGINT).
     interrupts.program_process()
+    if held:
+        # Interrupted before its target ran: end as SIGINT ends a process
+        # without Python's handler (exitcode -SIGINT), quietly.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     # The stdlib's own bootstrap: it makes ``proc`` the current process, sets
     # parent_process(), closes stdin, runs run() and maps its outcome to the
     # exit code exactly as multiprocessing does.

@@ -330,6 +330,122 @@ def scenario_basic(params: dict) -> dict:
     return out
 
 
+def spin_after_hello(q):
+    q.put(("spinning", host_ip(), os.getpid()))
+    while True:  # pure Python: SIGINT raises KeyboardInterrupt here
+        pass
+
+
+def hold_lock_until(lock, q, release):
+    lock.acquire()
+    q.put(("holding", host_ip(), os.getpid()))
+    release.wait(60)
+    lock.release()
+
+
+def ask_holder_from(lock, q):
+    holder = lock.holder()
+    q.put(("asked", host_ip(), None if holder is None else tuple(holder)))
+
+
+def trap_task(directory, x):
+    """An executor call: say where it runs, record a SIGTERM, wait (polling)."""
+    pid = os.getpid()
+
+    def on_sigterm(signum, frame):
+        open(os.path.join(directory, f"sigterm-{pid}"), "w").close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with open(os.path.join(directory, f"started-{pid}"), "w") as f:
+        f.write(host_ip())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    return x
+
+
+def scenario_py314(params: dict) -> dict:
+    """Python 3.14's Process.interrupt() and executor terminate_workers(),
+    and lock.holder(), with the processes on worker hosts."""
+    mp = multiprocessing
+    import psutil
+
+    import fiber_dask.futures
+
+    names = sorted(params["workers"])
+    out: dict = {}
+    q = mp.Queue()
+
+    p = mp.Process(target=spin_after_hello, args=(q,), resources={names[1]: 1})
+    p.start()
+    hello = q.get(timeout=60)
+    p.interrupt()
+    p.join(30)
+    out["interrupt"] = [hello[1], p.exitcode]
+
+    lock, release = mp.Lock(), mp.Event()
+    holder = mp.Process(
+        target=hold_lock_until,
+        args=(lock, q, release),
+        resources={names[2]: 1},
+        name="holder-on-w3",
+    )
+    holder.start()
+    _, where, pid = q.get(timeout=60)
+    here = lock.holder()
+    asker = mp.Process(target=ask_holder_from, args=(lock, q), resources={names[0]: 1})
+    asker.start()
+    _, asked_from, there = q.get(timeout=60)
+    asker.join(30)
+    release.set()
+    holder.join(60)
+    out["holder"] = {
+        "where": where,
+        "here": [here.process, here.pid == pid, here.alive, here.held_for >= 0],
+        "asked_from": asked_from,
+        "there": [there[0], there[1] == pid],
+        "after": lock.holder(),
+    }
+
+    directory = params["dir"]
+    ex = fiber_dask.futures.ProcessPoolExecutor(len(names))
+    futures = [ex.submit(trap_task, directory, x) for x in range(len(names) + 2)]
+
+    def started():
+        return [f for f in os.listdir(directory) if f.startswith("started-")]
+
+    wait_until(lambda: len(started()) == len(names), 90, "every worker to run a call")
+    pids = sorted(int(f.split("-")[1]) for f in started())
+    ex.terminate_workers()
+    wait_until(
+        lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the workers to go"
+    )
+    wait_until(lambda: all(f.done() for f in futures), 30, "every call to end")
+    hosts = set()
+    for f in started():
+        with open(os.path.join(directory, f)) as fh:
+            hosts.add(fh.read())
+    out["terminate"] = {
+        "hosts": sorted(hosts),
+        "signalled": sorted(
+            int(f[8:]) for f in os.listdir(directory) if f.startswith("sigterm-")
+        )
+        == pids,
+        "outcomes": sorted(
+            "cancelled" if f.cancelled() else type(f.exception()).__name__
+            for f in futures
+        ),
+    }
+    try:
+        ex.submit(abs, 1)
+        out["submit_after"] = "accepted"
+    except RuntimeError as e:
+        out["submit_after"] = type(e).__name__
+    ex.shutdown()
+    return out
+
+
 def scenario_manager(params: dict) -> dict:
     """A Manager on the client; its proxies used from two worker hosts."""
     mp = multiprocessing

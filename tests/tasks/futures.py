@@ -85,3 +85,25 @@ def rendezvous(directory, n, timeout=60.0):
             raise TimeoutError(f"only some of {n} tasks arrived")
         time.sleep(0.01)
     return os.getpid()
+
+
+def trap_then_wait(directory, x):
+    """Say it started (with its pid) and wait, polling, for the test's file;
+    a SIGTERM leaves ``sigterm-<pid>`` and ends the process with status 0; a
+    ``finally`` that runs (an interrupt, not a signal's death) leaves
+    ``finally-<pid>``."""
+    pid = os.getpid()
+
+    def on_sigterm(signum, frame):
+        open(os.path.join(directory, f"sigterm-{pid}"), "w").close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    open(os.path.join(directory, f"started-{x}-{pid}"), "w").close()
+    try:
+        # Short sleeps: a handler runs between them whichever thread of the
+        # process the kernel gave the signal to.
+        block_until(os.path.join(directory, "go"))
+    finally:
+        open(os.path.join(directory, f"finally-{pid}"), "w").close()
+    return x

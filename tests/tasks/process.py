@@ -106,3 +106,17 @@ class StdlibRunner(_RunMixin, multiprocessing.get_context("forkserver").Process)
 
 class FiberRunner(_RunMixin, FiberProcess):
     pass
+
+
+def hold_lock(lock, started, release):
+    """Take ``lock`` (any fiber-dask lock or Condition), say so, hold it until
+    ``release`` is set."""
+    lock.acquire()
+    started.set()
+    release.wait(60)
+    lock.release()
+
+
+def ask_holder(lock, queue):
+    """Put who holds ``lock`` (asked from this process) on ``queue``."""
+    queue.put(lock.holder())
