@@ -174,10 +174,11 @@ class Pool:
         soft, hard = timelimits.resolve(time_limit, soft_time_limit, slot_kind)
         if soft is not None and hard is not None and soft >= hard:
             warnings.warn(
-                f"soft_time_limit ({soft:g}s) is not below time_limit ({hard:g}s): the "
-                "task is killed before SoftTimeLimitExceeded could be raised in it. Set "
-                "the soft limit (Pool(soft_time_limit=...), fiber.pool.soft-time-limit) "
-                "below the hard one (Pool(time_limit=...), fiber.pool.time-limit).",
+                f"soft_time_limit ({soft:g}s) is not below time_limit ({hard:g}s): "
+                "the task is killed before SoftTimeLimitExceeded could be raised in "
+                "it. Set the soft limit (Pool(soft_time_limit=...), "
+                "fiber.pool.soft-time-limit) below the hard one "
+                "(Pool(time_limit=...), fiber.pool.time-limit).",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -179,7 +179,8 @@ class _Server:
     def read_reasons(self, ready: list[int]) -> None:
         """Read the reasons slot processes wrote as their loop returned.  A
         slot retired by ``maxtasksperchild`` (``Reason.RECYCLED``) or killed
-        at a hard time limit (``Reason.EXPIRED``) is replaced at once, before it has even exited, with the same spec, and reported
+        at a hard time limit (``Reason.EXPIRED``) is replaced at once,
+        before it has even exited, with the same spec, and reported
         as ``Restarted(id, pid)``: no round trip through the keeper."""
         for pid, c in list(self.children.items()):
             if c.reason_fd is None or c.reason_fd not in ready:

@@ -145,8 +145,8 @@ def check_slots(hard: float | None, slot_kind: str) -> None:
 
 def soft_message(soft: float) -> str:
     return (
-        f"the task ran past its soft time limit of {soft:g}s (Pool(soft_time_limit=...) "
-        "or fiber.pool.soft-time-limit); catch "
+        f"the task ran past its soft time limit of {soft:g}s "
+        "(Pool(soft_time_limit=...) or fiber.pool.soft-time-limit); catch "
         "fiber_dask.errors.SoftTimeLimitExceeded in the task to clean up"
     )
 
@@ -264,7 +264,8 @@ class _KernelTimer:
         """Fire in ``seconds`` (0: disarm)."""
         whole = int(seconds)
         value = self._ts(whole, int((seconds - whole) * 1e9))
-        self._settime(self._id, 0, ctypes.byref(self._spec(self._ts(0, 0), value)), None)
+        spec = self._spec(self._ts(0, 0), value)
+        self._settime(self._id, 0, ctypes.byref(spec), None)
 
 
 _kernel_timer: _KernelTimer | None | bool = None  # False: none on this platform
@@ -391,7 +392,11 @@ class _SoftInThread:
             kind = type(
                 "SoftTimeLimitExceeded",
                 (SoftTimeLimitExceeded,),
-                {"__init__": __init__, "__reduce__": __reduce__, "__module__": __name__},
+                {
+                    "__init__": __init__,
+                    "__reduce__": __reduce__,
+                    "__module__": __name__,
+                },
             )
             cls._made[soft] = kind
         return kind
