@@ -270,3 +270,23 @@ def test_long_lived_pool_with_quick_tasks_sees_no_spurious_limit():
             ]
             rounds += 1
         assert [slot.pid for slot in pool._pool] == pids  # none replaced
+
+
+def test_many_quick_items_under_a_long_limit_keep_few_timers():
+    """Each item arms the soft limit's watcher; an item that ends leaves a
+    stale entry, which must not pile up for the whole limit (a million quick
+    items under a 1 h limit)."""
+    from fiber_dask.engine import timelimits
+
+    limiter = timelimits.Limiter(False, lambda: True)  # a thread slot's kind
+    for _ in range(20_000):
+        limiter.start((3600.0, None))
+        limiter.stop()
+    assert len(timelimits._watcher._heap) <= 2048
+    # Still armed and fired as it should: a short limit on a live item.
+    limiter.start((0.05, None))
+    with pytest.raises(SoftTimeLimitExceeded, match="soft time limit of 0.05s"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass
+    limiter.stop()

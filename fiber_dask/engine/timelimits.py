@@ -194,10 +194,19 @@ class _Watcher:
         self._heap: list = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._prune_at = 1024
 
     def arm(self, deadline: float, limiter: Limiter, token: int) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (deadline, next(self._seq), limiter, token))
+            heap = self._heap
+            heapq.heappush(heap, (deadline, next(self._seq), limiter, token))
+            if len(heap) > self._prune_at:
+                # Many quick items under a long limit: each left an entry
+                # that would wait for its deadline to be dropped.  Keep the
+                # live ones (one per loop at most), in place (_run holds it).
+                heap[:] = [e for e in heap if e[2].token == e[3]]
+                heapq.heapify(heap)
+                self._prune_at = max(1024, 2 * len(heap))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="fiber-time-limits", daemon=True
