@@ -598,6 +598,8 @@ def _reason(error: jsonschema.ValidationError) -> str:
         return f"wrong type: {type(value).__name__}"
     if kind == "minimum":
         return f"{value!r} is below the minimum {limit}"
+    if kind == "exclusiveMinimum":
+        return f"{value!r} is not above {limit}"
     if kind == "format" and limit in _FORMATS and isinstance(value, str):
         return _FORMATS[limit][0](value) or f"{value!r} is not in the expected format"
     if kind == "pattern":

@@ -23,7 +23,9 @@ __all__ = [
     "Problem",
     "RemoteTaskError",
     "RingError",
+    "SoftTimeLimitExceeded",
     "TLSConnectionError",
+    "TimeLimitExceeded",
     "WorkerLostError",
 ]
 
@@ -34,6 +36,29 @@ class WorkerLostError(multiprocessing.ProcessError):
     A worker that dies (SIGKILL, out of memory, a lost host) costs a re-run of the
     work it held; a task that keeps killing the workers it lands on ends in this
     error instead of a hang.
+    """
+
+
+class SoftTimeLimitExceeded(Exception):
+    """Raised *inside* a pool task, in the thread running it, when the task
+    runs past its soft time limit (``Pool(soft_time_limit=...)``,
+    ``ProcessPoolExecutor(soft_time_limit=...)`` or
+    ``fiber.pool.soft-time-limit``), as billiard and Celery raise theirs.
+
+    The task may catch it to clean up, then return or raise; uncaught, its
+    result raises it in the caller.  An ``Exception``, so ``except Exception``
+    in a task catches it too (and ``Pool(retries=...)`` retries it).
+    """
+
+
+class TimeLimitExceeded(multiprocessing.TimeoutError):
+    """A pool task ran past its hard time limit (``Pool(time_limit=...)``,
+    ``ProcessPoolExecutor(time_limit=...)`` or ``fiber.pool.time-limit``).
+
+    Its slot process was killed and replaced; the task is not run again (a
+    worker lost for another reason re-runs its task).  The other tasks and the
+    pool go on.  A ``multiprocessing.TimeoutError``, so code catching the
+    stdlib's timeout catches it.
     """
 
 

@@ -297,6 +297,14 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
         Attach to the scheduler at this address.
     resources : dict, optional
         Dask worker resources each worker slot needs, e.g. ``{"GPU": 1}``.
+    time_limit, soft_time_limit : float or str, optional
+        Per-call time limits, as :class:`fiber_dask.Pool`'s (beyond the
+        stdlib): past ``soft_time_limit`` the call gets
+        :class:`~fiber_dask.errors.SoftTimeLimitExceeded` raised inside it;
+        past ``time_limit`` its worker process is killed and replaced and its
+        future raises :class:`~fiber_dask.errors.TimeLimitExceeded`.  The
+        executor stays usable (not broken).  Defaults: ``fiber.pool.time-limit``,
+        ``fiber.pool.soft-time-limit``.
 
     Examples
     --------
@@ -318,6 +326,8 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
         client: Any = None,
         address: str | None = None,
         resources: dict | None = None,
+        time_limit: float | str | None = None,
+        soft_time_limit: float | str | None = None,
     ) -> None:
         if max_workers is not None and max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
@@ -355,6 +365,8 @@ class ProcessPoolExecutor(concurrent.futures.ProcessPoolExecutor):
             client=client,
             address=address,
             resources=resources,
+            time_limit=time_limit,
+            soft_time_limit=soft_time_limit,
         )
         # Libraries read it (as they read a Pool's _processes).
         self._max_workers = self._pool._processes

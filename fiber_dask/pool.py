@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 import cloudpickle
 
 from . import cluster, config
-from .engine import earlyslots
+from .engine import earlyslots, timelimits
 from .engine.poolengine import CLOSE, INIT, RUN, TERMINATE, PoolEngine  # noqa: F401  (as the stdlib)
 from .engine.poolresults import (
     ApplyResult,
@@ -110,6 +110,18 @@ class Pool:
         Dask worker resources each pool slot needs, e.g. ``{"GPU": 1}``.
     retries : int, optional
         Re-run a task that raises up to this many times before reporting it.
+    time_limit : float or str, optional
+        Hard time limit of each task, in seconds or as a duration (``"5m"``):
+        a task still running then has its slot process killed and replaced,
+        and its result raises :class:`~fiber_dask.errors.TimeLimitExceeded`
+        (a ``multiprocessing.TimeoutError``); it is not run again, and the
+        other tasks go on.  Default ``fiber.pool.time-limit`` (None: no
+        limit).  Needs process slots (a thread cannot be killed).  Beyond the
+        stdlib, as billiard's.
+    soft_time_limit : float or str, optional
+        Soft time limit of each task: :class:`~fiber_dask.errors.SoftTimeLimitExceeded`
+        is raised inside the task, which may catch it to clean up.  Default
+        ``fiber.pool.soft-time-limit``.  Set it below ``time_limit``.
 
     Examples
     --------
@@ -133,6 +145,8 @@ class Pool:
         address: str | None = None,
         resources: dict | None = None,
         retries: int | None = None,
+        time_limit: float | str | None = None,
+        soft_time_limit: float | str | None = None,
     ) -> None:
         if processes is not None and processes < 1:
             raise ValueError("Number of processes must be at least 1")
@@ -157,6 +171,17 @@ class Pool:
                 stacklevel=2,
             )
         config.validate()  # a typo'd or bad fiber.* value fails here, at first use
+        soft, hard = timelimits.resolve(time_limit, soft_time_limit, slot_kind)
+        if soft is not None and hard is not None and soft >= hard:
+            warnings.warn(
+                f"soft_time_limit ({soft:g}s) is not below time_limit ({hard:g}s): "
+                "the task is killed before SoftTimeLimitExceeded could be raised in "
+                "it. Set the soft limit (Pool(soft_time_limit=...), "
+                "fiber.pool.soft-time-limit) below the hard one "
+                "(Pool(time_limit=...), fiber.pool.time-limit).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # Pickled once, here: an unpicklable initializer fails in the caller.
         init_blob = (
             cloudpickle.dumps((initializer, tuple(initargs)))
@@ -187,6 +212,8 @@ class Pool:
             resources=resources,
             retries=retries or 0,
             slot_kind=slot_kind,
+            soft_time_limit=soft,
+            time_limit=hard,
         )
         self._engine.start()
 

@@ -206,7 +206,11 @@ class EarlySlots:
             fork = self.forks[n]
             fork.done.wait()
             template = self.template
-            if fork.reason != proto.Reason.RECYCLED or self.adopted or template is None:
+            if (
+                fork.reason not in (proto.Reason.RECYCLED, proto.Reason.EXPIRED)
+                or self.adopted
+                or template is None
+            ):
                 self.engine._wake()
                 return
             self.forks[n] = template.fork(spec)

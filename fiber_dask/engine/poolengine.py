@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import itertools
 import logging
 import pickle
@@ -64,7 +65,7 @@ import cloudpickle
 
 from .. import cluster, config
 from ..comm import channel, security
-from ..errors import PoolTerminatedError, WorkerLostError
+from ..errors import PoolTerminatedError, TimeLimitExceeded, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats, slotrelay
 from .earlyslots import EarlySlots
@@ -221,6 +222,8 @@ class _Peer:
         "filed",
         "last_active",
         "interrupted",
+        "running",
+        "expired",
     )
 
     def __init__(self, link: _Link, route: int, hello: proto.Attach):
@@ -245,6 +248,11 @@ class _Peer:
         #: It left saying SIGINT ended it (Reason.INTERRUPTED): the user's
         #: Ctrl-C, not a failure worth a warning.
         self.interrupted = False
+        #: ``(ckey, offset)`` of the item it said it runs (``Running``, only
+        #: under a hard time limit), until that chunk's result.
+        self.running: tuple[int, int] | None = None
+        #: Told to end (``Expire``): an item of it ran past the hard limit.
+        self.expired = False
 
 
 class PoolSlot:
@@ -324,6 +332,10 @@ class PoolEngine:
         Dask resources each loop needs.
     retries : int
         Re-runs of a task that raises, in the loop.
+    soft_time_limit, time_limit : float, optional
+        Seconds each task may run before ``SoftTimeLimitExceeded`` is raised
+        in it, and before its slot process is killed and its result raises
+        ``TimeLimitExceeded`` (:mod:`fiber_dask.engine.timelimits`).
     """
 
     def __init__(
@@ -336,6 +348,8 @@ class PoolEngine:
         resources: dict | None = None,
         retries: int = 0,
         slot_kind: str = "process",
+        soft_time_limit: float | None = None,
+        time_limit: float | None = None,
     ) -> None:
         self.state = INIT
         self.processes = processes
@@ -354,6 +368,18 @@ class PoolEngine:
         self._resources = resources
         self._retries = retries
         self._slot_kind = slot_kind
+        #: ``(soft, hard)`` seconds every Call carries, or None.
+        self._limits = (
+            None
+            if soft_time_limit is None and time_limit is None
+            else (soft_time_limit, time_limit)
+        )
+        self._hard = time_limit
+        #: ``(deadline, seq, peer, ckey, offset)`` of items running under the
+        #: hard limit (a heap; an entry whose peer moved on is dropped when
+        #: it comes up, see _expire_due).
+        self._deadlines: list = []
+        self._deadline_seq = itertools.count()
         #: Process slots reach this owner through their worker's relay.
         self._relay = slotrelay.wanted(processes)
         self._prefetch = config.timedelta("pool.prefetch")
@@ -812,6 +838,7 @@ class PoolEngine:
             payload,
             self._retries,
             evict,
+            self._limits,
         )
         batches = out.calls.setdefault(peer, [])
         if chunk.alone or not batches or batches[-1][-1][1].alone:
@@ -938,8 +965,11 @@ class PoolEngine:
         with self._lock:
             if not self._should_continue():
                 return False
+        timeout = 0.5
+        if self._deadlines:  # wake for the next hard time limit
+            timeout = min(timeout, max(0.0, self._deadlines[0][0] - time.monotonic()))
         try:
-            ready = self._sel.select(timeout=0.5)
+            ready = self._sel.select(timeout=timeout)
         except (OSError, ValueError):  # closed by _release
             return not self._released
         arrived: list[tuple[_Peer, Any]] = []
@@ -983,6 +1013,10 @@ class PoolEngine:
                 self._on_messages(arrived)
             except Exception:  # never let one bad message kill the pool
                 logger.exception("fiber-dask: error handling a pool message")
+        if self._deadlines:
+            # Before the losses: a slot process the kernel's backstop killed
+            # (its task held the GIL) is an expired item, not a crash.
+            self._expire_due()
         while self._unsendable:
             chunk, err = self._unsendable.popleft()
             try:
@@ -1037,9 +1071,13 @@ class PoolEngine:
                 if not isinstance(msg, proto.Results):
                     if isinstance(msg, proto.InitFailed):
                         broken.append(msg.blob)
+                    elif isinstance(msg, proto.Running):
+                        self._started(peer, msg, now)
                     continue
                 peer.last_active = now
                 for result in msg.results:
+                    if peer.running is not None and peer.running[0] == result.ckey:
+                        peer.running = None
                     chunk = peer.inflight.pop(result.ckey, None)
                     if chunk is not None:
                         self._learn(chunk, result.seconds)
@@ -1067,6 +1105,83 @@ class PoolEngine:
         for blob in broken:
             self._break(proto.decode_failure(blob))
 
+    def _started(self, peer: _Peer, msg: proto.Running, now: float) -> None:
+        """``peer`` says an item starts: its hard time limit runs from now
+        (the owner's clock, never ahead of the slot's).  Under the lock."""
+        if self._hard is None or msg.ckey not in peer.inflight or peer.expired:
+            return
+        peer.running = (msg.ckey, msg.offset)
+        heap = self._deadlines
+        heapq.heappush(
+            heap,
+            (now + self._hard, next(self._deadline_seq), peer, msg.ckey, msg.offset),
+        )
+        if len(heap) > 64 + 4 * len(self._peers):
+            # Many quick items: keep only the entries still running.
+            self._deadlines = heap = [
+                e for e in heap if e[2].running == (e[3], e[4]) and not e[2].expired
+            ]
+            heapq.heapify(heap)
+
+    def _expire_due(self) -> None:
+        """On the result thread: fail each item that has run past the hard
+        time limit with ``TimeLimitExceeded``, and tell its slot process to
+        end (``Expire``); it is not run again.  Its loop is replaced as after
+        ``maxtasksperchild`` (its template forks a successor); what the loop
+        still held goes to the others when it is lost."""
+        expired: list[tuple[_Chunk, int, _Peer]] = []
+        with self._lock:
+            heap, now = self._deadlines, time.monotonic()
+            while heap and heap[0][0] <= now:
+                _, _, peer, ckey, offset = heapq.heappop(heap)
+                if (
+                    peer.running != (ckey, offset)
+                    or peer.expired
+                    or self._peers.get(peer.key) is not peer
+                ):
+                    continue  # it finished, or its loop was lost: stale
+                chunk = peer.inflight.pop(ckey, None)
+                peer.running = None
+                if chunk is None or self.state == TERMINATE:
+                    continue
+                peer.expired = peer.retiring = True
+                self._loops.recycled.add(peer.loop)  # replaced, not failed
+                self._file(peer)
+                self._stats.result(peer, len(chunk.items), False)
+                peer.link.send([(peer.route, proto.Expire(ckey, offset))])
+                expired.append((chunk, offset, peer))
+            if expired:
+                self._dispatch()
+        for chunk, offset, peer in expired:
+            if chunk.job._finished:
+                continue
+            logger.info(
+                "fiber-dask: a pool task ran past its time limit (%gs); ending its "
+                "slot process (pid %s%s)",
+                self._hard,
+                peer.pid,
+                f" on {peer.worker}" if peer.worker else "",
+            )
+            try:
+                self._settle(chunk, False, self._time_limit_error(chunk, offset, peer))
+            except Exception:  # one failing callback must not drop the others
+                logger.exception("fiber-dask: error settling a pool result")
+
+    def _time_limit_error(
+        self, chunk: _Chunk, offset: int, peer: _Peer
+    ) -> TimeLimitExceeded:
+        name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
+        where = f" on {peer.worker}" if peer.worker else ""
+        return TimeLimitExceeded(
+            f"task {name}: this item (index {chunk.first_item() + offset}) ran past "
+            f"its time limit of {self._hard:g}s (Pool(time_limit=...), "
+            "ProcessPoolExecutor(time_limit=...) or fiber.pool.time-limit); its slot "
+            f"process (pid {peer.pid}{where}) was killed and replaced, and "
+            "the item was not run again. Raise the limit if the task needs longer, "
+            "or set soft_time_limit (fiber.pool.soft-time-limit) below it, so that "
+            "the task gets SoftTimeLimitExceeded first and can clean up."
+        )
+
     def _learn(self, chunk: _Chunk, secs: float) -> None:
         entry = self._fids.get(id(chunk.job._func))
         if entry is not None and entry[0] is chunk.job._func and chunk.items:
@@ -1079,6 +1194,7 @@ class PoolEngine:
             if self._peers.get(peer.key) is not peer:
                 return  # already lost
             self._stats.lost(peer)
+            peer.running = None
             del self._peers[peer.key]
             if peer.link.peers.get(peer.route) is peer:
                 del peer.link.peers[peer.route]
@@ -1091,6 +1207,21 @@ class PoolEngine:
             if self.state == TERMINATE or self._released:
                 return
             back: list[_Chunk] = []
+            if peer.expired:
+                # Killed at the owner's word (an item's hard time limit): its
+                # expired chunk is settled; what it still held had not
+                # started (or did, just as the limit passed): all of it goes
+                # again, nothing counted against the item or the pool.
+                back = [c for c in peer.inflight.values() if not c.job._finished]
+                self._retry.extendleft(reversed(back))
+                if back:
+                    logger.info(
+                        "fiber-dask: re-running %d chunk(s) the slot process ended at "
+                        "a time limit held",
+                        len(back),
+                    )
+                self._dispatch()
+                return
             rerun = 0  # items that may have been running there and go again
             ran, never = proto.lost_chunks(
                 [(c.calls, c.first, c) for c in peer.inflight.values()]

@@ -14,9 +14,12 @@ messages of one loop keep their order.
 
 owner → loop::
 
-    Calls([Call(ckey, fid, fblob, mode, payload, retries, evict), ...])
+    Calls([Call(ckey, fid, fblob, mode, payload, retries, evict, limits), ...])
                             run these chunks, in order (``payload``: the
-                            pickled list of a chunk's items)
+                            pickled list of a chunk's items; ``limits``:
+                            ``(soft, hard)`` seconds per item, or None)
+    Expire(ckey, offset)    that item passed its hard time limit: the slot
+                            process ends itself (SIGKILL), see timelimits
     STOP                    stop after the queued work
     TERMINATE               stop now, interrupting the task
 
@@ -29,6 +32,8 @@ loop → owner::
     Results([Result(ckey, ok, blob, seconds, last), ...])
                             chunks' outcomes, in the order they ran; ``last``:
                             maxtasksperchild retires this loop after it
+    Running(ckey, offset)   the chunk's item ``offset`` starts (only under a
+                            hard time limit: the owner's clock for it)
     InitFailed(blob)        the initializer raised or could not be loaded
     Gone(reason)            the loop ended (its last message); a link that
                             drops ends every loop it still carried
@@ -85,6 +90,8 @@ __all__ = [
     "InitFailed",
     "Attach",
     "Gone",
+    "Running",
+    "Expire",
     "FLUSH_SECONDS",
     "FLUSH_CHUNKS",
     "lost_chunks",
@@ -134,9 +141,13 @@ class Reason:
     #: which signal the whole process group): it ends, as a stdlib pool
     #: worker does, and its chunks go again without a warning.
     INTERRUPTED = "interrupted"
+    #: A slot process killed at the owner's word (``Expire``): an item ran
+    #: past its hard time limit.  Written to its reason pipe before the
+    #: SIGKILL; its template forks a successor, as after ``RECYCLED``.
+    EXPIRED = "time-limit"
 
     #: Endings that are not a failure of the loop.
-    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED})
+    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED, EXPIRED})
 
 
 class Call:
@@ -144,15 +155,28 @@ class Call:
 
     ``mode`` 0: ``f(x)``, 1: ``f(*x)``, 2: ``f(*args, **kwds)``.  ``fblob`` is
     the cloudpickled function when the loop does not hold ``fid``, else None;
-    ``evict`` the function ids the loop drops before it looks ``fid`` up.
+    ``evict`` the function ids the loop drops before it looks ``fid`` up;
+    ``limits`` the ``(soft, hard)`` time limits of each item in seconds
+    (either None), or None (:mod:`fiber_dask.engine.timelimits`).
     """
 
-    __slots__ = ("ckey", "fid", "fblob", "mode", "payload", "retries", "evict")
+    __slots__ = (
+        "ckey",
+        "fid",
+        "fblob",
+        "mode",
+        "payload",
+        "retries",
+        "evict",
+        "limits",
+    )
 
-    def __init__(self, ckey, fid, fblob, mode, payload, retries, evict=()):
+    def __init__(
+        self, ckey, fid, fblob, mode, payload, retries, evict=(), limits=None
+    ):
         self.ckey, self.fid, self.fblob = ckey, fid, fblob
         self.mode, self.payload, self.retries = mode, payload, retries
-        self.evict = evict
+        self.evict, self.limits = evict, limits
 
     def fields(self) -> tuple:
         return (
@@ -163,6 +187,7 @@ class Call:
             self.payload,
             self.retries,
             self.evict,
+            self.limits,
         )
 
 
@@ -277,6 +302,44 @@ class Gone:
         return cls(reason)
 
 
+class Running:
+    """Loop → owner: item ``offset`` of chunk ``ckey`` starts (each try of
+    it).  Sent only under a hard time limit, after the ``Results`` of every
+    chunk before it, so the owner knows which item runs and since when."""
+
+    __slots__ = ("ckey", "offset")
+    tag = "R"
+
+    def __init__(self, ckey, offset):
+        self.ckey, self.offset = ckey, offset
+
+    def fields(self) -> tuple:
+        return (self.ckey, self.offset)
+
+    @classmethod
+    def from_fields(cls, ckey, offset) -> Running:
+        return cls(ckey, offset)
+
+
+class Expire:
+    """Owner → loop: item ``offset`` of chunk ``ckey`` ran past its hard
+    time limit; the owner failed it.  The slot process ends itself at once
+    (whatever it runs by then: the owner re-runs what it still held)."""
+
+    __slots__ = ("ckey", "offset")
+    tag = "X"
+
+    def __init__(self, ckey, offset):
+        self.ckey, self.offset = ckey, offset
+
+    def fields(self) -> tuple:
+        return (self.ckey, self.offset)
+
+    @classmethod
+    def from_fields(cls, ckey, offset) -> Expire:
+        return cls(ckey, offset)
+
+
 class _Signal:
     """A message without fields (:data:`STOP`, :data:`TERMINATE`); each is
     one object, compared with ``is``."""
@@ -303,7 +366,17 @@ TERMINATE = _Signal("K", "TERMINATE")
 
 _KINDS = {
     kind.tag: kind
-    for kind in (Calls, Results, InitFailed, Attach, Gone, STOP, TERMINATE)
+    for kind in (
+        Calls,
+        Results,
+        InitFailed,
+        Attach,
+        Gone,
+        Running,
+        Expire,
+        STOP,
+        TERMINATE,
+    )
 }
 
 

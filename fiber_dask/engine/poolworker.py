@@ -35,8 +35,9 @@ import time
 from multiprocessing.pool import MaybeEncodingError
 from typing import Any
 
+from ..errors import SoftTimeLimitExceeded
 from ..launch.mainglobals import MainNamespace
-from . import poollink
+from . import poollink, timelimits
 from . import poolprotocol as proto
 
 __all__ = ["serve_slot", "serve"]
@@ -68,6 +69,9 @@ class _Loop:
         self.funcs = proto.LoopFunctions(
             lambda blob: self.main.adopt(pickle.loads(blob))
         )
+        #: Arms the time limits around each item (made on the loop's own
+        #: thread, at the first chunk that has limits).
+        self.limiter: timelimits.Limiter | None = None
 
     def send(self, msg: Any) -> None:
         self.link.post(self.number, msg)
@@ -98,6 +102,9 @@ class _Loop:
         (the link dropped: the owner is gone).  TERMINATE and None interrupt
         the running task, until the loop has left."""
         if msg is not None and msg is not proto.TERMINATE:
+            if type(msg) is proto.Expire:
+                timelimits.expire()  # a slot process ends here, now
+                return
             self.inbox.put(msg)
             return
         self.stop_now = True
@@ -153,6 +160,57 @@ class _Loop:
             if mode == 1:
                 return func(*item)
             return func(*item[0], **item[1])
+        finally:
+            with self.exec_lock:
+                self.executing = False
+
+    def call_limited(self, func: Any, call: proto.Call, items: list) -> list:
+        """``call_items`` under time limits: each try of each item is armed
+        by the limiter, and, under a hard limit, announced to the owner
+        (``Running``), whose clock decides when it has run too long."""
+        limiter = self.limiter
+        if limiter is None:
+            in_main = (
+                timelimits._reason_fd is not None
+                and threading.current_thread() is threading.main_thread()
+            )
+            limiter = self.limiter = timelimits.Limiter(
+                in_main, lambda: not self.stop_now
+            )
+        limits, mode, ckey = call.limits, call.mode, call.ckey
+        hard = limits[1] is not None
+        results = []
+        with self.exec_lock:
+            self.executing = True
+        try:
+            for offset, item in enumerate(items):
+                for attempt in range(call.retries + 1):
+                    if hard:
+                        self.send(proto.Running(ckey, offset))
+                    limiter.start(limits)
+                    try:
+                        if mode == 0:
+                            value = func(item)
+                        elif mode == 1:
+                            value = func(*item)
+                        else:
+                            value = func(*item[0], **item[1])
+                    except Exception:
+                        if attempt == call.retries:
+                            raise
+                        continue
+                    finally:
+                        # The item's own soft limit may land in here: nothing
+                        # may fire for it once this returns.
+                        while True:
+                            try:
+                                limiter.stop()
+                                break
+                            except SoftTimeLimitExceeded:
+                                pass
+                    results.append(value)
+                    break
+            return results
         finally:
             with self.exec_lock:
                 self.executing = False
@@ -305,6 +363,12 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
         for i, call in enumerate(calls):
             if loop.stop_now:
                 return proto.Reason.TERMINATED
+            if answers and call.limits is not None and call.limits[1] is not None:
+                # Under a hard limit the owner must have every earlier
+                # chunk's answer before this one's Running: a slot process
+                # killed in it then held only it and what never started.
+                loop.send(proto.Results(answers))
+                answers = []
             ok, value, secs = _run_chunk(loop, call, msg.shared)
             completed += 1
             last = bool(maxtasks) and completed >= maxtasks
@@ -341,7 +405,10 @@ def _run_chunk(
         func = loop.funcs.lookup(call)
         items = proto.loads_items(call.payload, shared)
         start = time.perf_counter()
-        results = loop.call_items(func, call.mode, items, call.retries)
+        if call.limits is None:
+            results = loop.call_items(func, call.mode, items, call.retries)
+        else:
+            results = loop.call_limited(func, call, items)
         return True, results, time.perf_counter() - start
     except _Terminated:
         raise

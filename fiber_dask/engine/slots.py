@@ -647,8 +647,10 @@ def _keep(spec: SlotSpec) -> str:
         # on a loaded host), and its death ends the wait; a keeper that gave up
         # early could leave a slot process it no longer keeps.
         f.done.wait()
-        if f.reason == Reason.RECYCLED:
-            continue  # maxtasksperchild, the template could not restart it
+        if f.reason in (Reason.RECYCLED, Reason.EXPIRED):
+            # maxtasksperchild, or killed at a hard time limit: the template
+            # could not start its successor itself
+            continue
         if f.reason is not None:
             return f.reason
         if f.error is not None:

@@ -94,7 +94,10 @@ class _Server:
 
         self.write_frame = write_frame
         self.proto = templateprotocol
-        self.recycled = Reason.RECYCLED.encode()  # as a slot process writes it
+        # As a slot process writes them: maxtasksperchild retired it, or the
+        # owner had it killed at an item's hard time limit (it wrote this,
+        # then SIGKILLed itself).  Either way a successor takes over at once.
+        self.replace = {Reason.RECYCLED.encode(), Reason.EXPIRED.encode()}
         self.report_fd = report_fd
         self.own_fds = [request_fd, report_fd, sig_r, sig_w]
         self.children: dict[int, _Slot] = {}
@@ -175,8 +178,9 @@ class _Server:
 
     def read_reasons(self, ready: list[int]) -> None:
         """Read the reasons slot processes wrote as their loop returned.  A
-        slot retired by ``maxtasksperchild`` (``Reason.RECYCLED``) is replaced
-        at once, before it has even exited, with the same spec, and reported
+        slot retired by ``maxtasksperchild`` (``Reason.RECYCLED``) or killed
+        at a hard time limit (``Reason.EXPIRED``) is replaced at once,
+        before it has even exited, with the same spec, and reported
         as ``Restarted(id, pid)``: no round trip through the keeper."""
         for pid, c in list(self.children.items()):
             if c.reason_fd is None or c.reason_fd not in ready:
@@ -190,7 +194,7 @@ class _Server:
                 continue
             os.close(c.reason_fd)
             c.reason_fd = None
-            if c.reason != self.recycled:
+            if c.reason not in self.replace:
                 continue  # reported once reaped, with its exit status
             proc = self.hand_over(c.blob)
             if isinstance(proc, str):
@@ -386,7 +390,10 @@ def _child(template_pid: int, close_fds: list[int], spec_r: int, reason_w: int) 
     _load_environment()
     _become_pool_worker(spec.slot, spec.authkey)
 
+    from fiber_dask.engine import timelimits
     from fiber_dask.engine.poolworker import serve_slot
+
+    timelimits.slot_process(reason_w)  # a hard time limit may end it
 
     reason = None
     try:
