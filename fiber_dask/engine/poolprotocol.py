@@ -19,6 +19,10 @@ owner → loop::
                             pickled list of a chunk's items)
     STOP                    stop after the queued work
     TERMINATE               stop now, interrupting the task
+    DRAIN                   the loop's Dask worker is closing: finish the
+                            chunk running, start no other, answer what ran
+                            and leave (``Gone(DRAINED)``): the owner then
+                            knows every chunk left unanswered never started
 
 loop → owner::
 
@@ -93,6 +97,7 @@ __all__ = [
     "Shared",
     "STOP",
     "TERMINATE",
+    "DRAIN",
     "FUNC_CACHE_SIZE",
     "PeerFunctions",
     "LoopFunctions",
@@ -134,9 +139,12 @@ class Reason:
     #: which signal the whole process group): it ends, as a stdlib pool
     #: worker does, and its chunks go again without a warning.
     INTERRUPTED = "interrupted"
+    #: DRAIN: its Dask worker is closing (lifetime, retirement); it finished
+    #: the chunk it ran and left, and another loop takes its slot.
+    DRAINED = "drained"
 
     #: Endings that are not a failure of the loop.
-    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED})
+    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED, DRAINED})
 
 
 class Call:
@@ -300,10 +308,13 @@ class _Signal:
 STOP = _Signal("S", "STOP")
 #: Owner → loop: stop now, interrupting the running task.
 TERMINATE = _Signal("K", "TERMINATE")
+#: Owner → loop: your Dask worker is closing; finish the chunk running, then
+#: leave without starting another (:data:`Reason.DRAINED`).
+DRAIN = _Signal("D", "DRAIN")
 
 _KINDS = {
     kind.tag: kind
-    for kind in (Calls, Results, InitFailed, Attach, Gone, STOP, TERMINATE)
+    for kind in (Calls, Results, InitFailed, Attach, Gone, STOP, TERMINATE, DRAIN)
 }
 
 
