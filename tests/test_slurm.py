@@ -397,7 +397,9 @@ def test_worker_lifetime_before_the_walltime_drains_the_pool_into_new_jobs(
         slurm,
         # a worker starts in ~2-6 s here (a loaded machine): 12 s leaves it
         # some life to run tasks in
-        jobqueue={"worker-extra-args": ["--lifetime", "12s", "--lifetime-stagger", "0s"]},
+        jobqueue={
+            "worker-extra-args": ["--lifetime", "12s", "--lifetime-stagger", "0s"]
+        },
     )
     marks = tmp_path / "marks"
     marks.mkdir()
