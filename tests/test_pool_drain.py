@@ -175,6 +175,89 @@ def test_a_chunk_past_the_drain_timeout_runs_once_elsewhere(tmp_path) -> None:
     assert "fiber.pool.drain-timeout=1s" in err, err[-3000:]
 
 
+RETIRE = textwrap.dedent(
+    """
+    import json, os, sys, time, uuid
+
+    D = sys.argv[1]
+
+    def mark(kind, x):
+        open(os.path.join(D, "%s-%d-%s" % (kind, x, uuid.uuid4().hex)), "w").close()
+
+    def work(x):
+        mark("start", x)
+        time.sleep(0.3)
+        mark("finish", x)
+        return x * x, os.environ.get("FIBER_DASK_WORKER_ADDRESS")
+
+    if __name__ == "__main__":
+        import fiber_dask
+        from support.wait import wait_until
+
+        client = fiber_dask.init()
+        out = {}
+        with fiber_dask.Pool(2) as pool:
+            e = pool._engine
+            result = pool.map_async(work, range(30), chunksize=1)
+            wait_until(
+                lambda: sum(n.startswith("finish-") for n in os.listdir(D)) >= 4,
+                60, "a few items to finish",
+            )
+            # what adaptive scaling and the Kubernetes operator do to a worker
+            [worker] = [p.worker for p in e._peers.values()][:1]
+            out["retired"] = list(client.retire_workers([worker]))
+            got = result.get(60)
+            out["ok"] = [v for v, _ in got] == [x * x for x in range(30)]
+            out["workers"] = sorted({w for _, w in got})
+            out["after"] = sorted({w for _, w in got[-5:]})
+            out["worker"] = worker
+            d = e._drain
+            out["drain"] = {"started": d.started, "drained": d.drained, "cut": d.cut}
+            out["reruns"] = e._stats.reruns
+        fiber_dask.shutdown()
+        print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_retired_worker_drains_its_slot(tmp_path) -> None:
+    """``Client.retire_workers`` (adaptive scaling's and the Kubernetes
+    operator's way to remove a worker) mid-map: its slot finishes its item and
+    leaves, the map finishes on the other worker, every item once."""
+    script = tmp_path / "retire_probe.py"
+    script.write_text(RETIRE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env.update(
+        {
+            "DASK_FIBER__BACKEND": "local",
+            "DASK_FIBER__LOCAL__N_WORKERS": "2",
+            "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(marks)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-5000:]
+    r = json.loads(lines[-1][len("RESULT ") :])
+    print("retire:", json.dumps(r))
+    assert r["ok"] and r["retired"] == [r["worker"]], r
+    assert r["drain"] == {"started": 1, "drained": 1, "cut": 0}, r
+    assert r["reruns"] == 0, r
+    assert r["worker"] not in r["after"], r  # the map ended elsewhere
+    starts = sorted(n.split("-")[1] for n in os.listdir(marks) if n[0] == "s")
+    finishes = sorted(n.split("-")[1] for n in os.listdir(marks) if n[0] == "f")
+    assert starts == finishes == sorted(str(x) for x in range(30)), (starts, finishes)
+
+
 # ------------------------------------------------------- the loop's side
 
 

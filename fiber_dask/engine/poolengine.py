@@ -249,7 +249,7 @@ class _Peer:
         #: Ctrl-C, not a failure worth a warning.
         self.interrupted = False
         #: Told DRAIN (its Dask worker closes): when it must have left
-        #: (fiber.engine.pooldrain); ``drained``: it left saying it drained.
+        #: (engine.pooldrain); ``drained``: it left saying it drained.
         self.draining: float | None = None
         self.drained = False
 
