@@ -282,3 +282,30 @@ def test_a_retirement_given_up_is_forgotten() -> None:
         assert address in pooldrain._closing
     finally:
         pooldrain._closing.pop(address, None)
+
+
+def test_a_worker_that_closed_before_the_subscription_is_still_seen() -> None:
+    """The scheduler keeps a worker's events: one subscribed to after it
+    started closing is looked up (``_look_back``), so a loop that attaches
+    from it then is drained at once."""
+    from distributed import Client, LocalCluster
+    from support.wait import wait_until
+
+    with (
+        LocalCluster(
+            n_workers=2, processes=False, threads_per_worker=1, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        worker = sorted(client.scheduler_info()["workers"])[0]
+        client.retire_workers([worker])
+        assert worker not in pooldrain._closing
+        try:
+            pooldrain._subscribe(client, worker)
+            wait_until(
+                lambda: worker in pooldrain._closing,
+                10,
+                "the retired worker's past events to be read",
+            )
+        finally:
+            pooldrain._closing.pop(worker, None)
