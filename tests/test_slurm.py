@@ -339,6 +339,89 @@ def test_scancel_of_a_worker_job_costs_a_rerun_and_gets_a_replacement(
     prog.assert_no_job_left()
 
 
+LIFETIME = """
+    import json, os, sys, time, uuid
+    import fiber_dask
+
+    MARKS = sys.argv[1]
+
+    def mark(kind, x, job):
+        open(os.path.join(MARKS, f"{kind}-{x}-{job}-{uuid.uuid4().hex}"), "w").close()
+
+    def task(x):
+        job = os.environ["SLURM_JOB_ID"]
+        mark("start", x, job)
+        time.sleep(0.25)
+        mark("finish", x, job)
+        return x * x, job
+
+    if __name__ == "__main__":
+        from fiber_dask import cluster
+
+        out = {}
+        with fiber_dask.Pool(2) as pool:
+            client = cluster.get_client()
+            client.wait_for_workers(2, timeout=60)
+            handle = cluster.get_handle()
+            out["jobs_before"] = before = sorted(j["id"] for j in handle.jobs())
+            # Maps of 20 until tasks ran in a job that replaced one whose
+            # worker's lifetime ended (bounded), however slowly a loaded
+            # machine starts the jobs' workers.
+            got, t0 = [], time.monotonic()
+            while time.monotonic() - t0 < 90:
+                got += pool.map(task, range(len(got), len(got) + 20), chunksize=1)
+                if {j for _, j in got} - set(before):
+                    break
+            out["squares"] = [v for v, _ in got]
+            out["task_jobs"] = sorted({j for _, j in got})
+            out["jobs_after"] = handle.jobs()
+            d = pool._engine._drain
+            out["drain"] = {"started": d.started, "drained": d.drained, "cut": d.cut}
+            out["reruns"] = pool._engine._stats.reruns
+        fiber_dask.shutdown()
+        print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_worker_lifetime_before_the_walltime_drains_the_pool_into_new_jobs(
+    slurm, tmp_path
+) -> None:
+    """dask-jobqueue's ``--lifetime`` (a worker closes itself before its
+    job's walltime): the pool's slots there finish their chunk and leave, the
+    worker and its job end under the running map, replacement jobs take over,
+    and no item runs twice."""
+    prog = Program(
+        tmp_path,
+        slurm,
+        # a worker starts in ~2-6 s here (a loaded machine): 12 s leaves it
+        # some life to run tasks in
+        jobqueue={
+            "worker-extra-args": ["--lifetime", "12s", "--lifetime-stagger", "0s"]
+        },
+    )
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    r = prog.run(LIFETIME, str(marks), timeout=130)
+    print("lifetime on SLURM:", json.dumps(r))
+    items = len(r["squares"])
+    assert r["squares"] == [x * x for x in range(items)]
+    # the first jobs' workers closed under the map, their slots drained
+    # (none cut), and the map went on in the jobs that replaced them
+    assert r["drain"]["started"] >= 2 and r["drain"]["drained"] >= 2, r
+    assert r["drain"]["cut"] == 0 and r["reruns"] == 0, r
+    assert set(r["task_jobs"]) - set(r["jobs_before"]), r
+    assert not set(r["jobs_before"]) & {j["id"] for j in r["jobs_after"]}, r
+    counts: dict[str, dict[int, int]] = {"start": {}, "finish": {}}
+    for p in marks.iterdir():
+        kind, x, _, _ = p.name.split("-")
+        counts[kind][int(x)] = counts[kind].get(int(x), 0) + 1
+    assert counts["start"] == {x: 1 for x in range(items)}, counts
+    assert counts["finish"] == {x: 1 for x in range(items)}, counts
+    prog.assert_no_job_left()
+
+
 ADAPTIVE = """
     import json, os, subprocess, sys, threading, time
     import fiber_dask
@@ -709,6 +792,8 @@ def test_hpc_profile_builds_its_job_script(path: pathlib.Path) -> None:
     for directive in section.get("job-extra-directives", []):
         assert directive in script
     assert "--memory-limit" in script
+    for arg in section.get("worker-extra-args", []):  # --lifetime, before walltime
+        assert f" {arg}" in script
     if section.get("interface"):
         assert f"--interface {section['interface']}" in script
 

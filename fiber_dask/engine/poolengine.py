@@ -69,6 +69,7 @@ from ..errors import PoolTerminatedError, TimeLimitExceeded, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats, slotrelay
 from .earlyslots import EarlySlots
+from .pooldrain import Drain
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
 from .poolresults import MapResult, measured_chunksize
@@ -224,6 +225,8 @@ class _Peer:
         "interrupted",
         "running",
         "expired",
+        "draining",
+        "drained",
     )
 
     def __init__(self, link: _Link, route: int, hello: proto.Attach):
@@ -253,6 +256,10 @@ class _Peer:
         self.running: tuple[int, int] | None = None
         #: Told to end (``Expire``): an item of it ran past the hard limit.
         self.expired = False
+        #: Told DRAIN (its Dask worker closes): when it must have left
+        #: (engine.pooldrain); ``drained``: it left saying it drained.
+        self.draining: float | None = None
+        self.drained = False
 
 
 class PoolSlot:
@@ -425,6 +432,8 @@ class PoolEngine:
         self._thread: threading.Thread | None = None
         #: Gives idle slots back and asks for them again (fiber.pool.idle-timeout).
         self._elastic = Elastic.for_engine(self)
+        #: Drains the loops of Dask workers that close (fiber.pool.drain-timeout).
+        self._drain = Drain(self)
         #: The loops as Dask tasks: claimed, submitted, replaced, released.
         self._loops = Loops(self, _live)
 
@@ -928,6 +937,7 @@ class PoolEngine:
             if late:
                 link.send([(n, proto.STOP)])
             position = self._loops.attached(peer.loop)
+            self._drain.attached(peer)  # its worker may be closing already
             early = self._early
             if position is not None:
                 held = self._peer_at.get(position)
@@ -1003,6 +1013,7 @@ class PoolEngine:
                         continue  # told to stop as it attached
                     if isinstance(msg, proto.Gone):
                         peer.interrupted = msg.reason == proto.Reason.INTERRUPTED
+                        peer.drained = msg.reason == proto.Reason.DRAINED
                         lost.append(peer)
                     elif self.state != TERMINATE:  # else nobody waits for it
                         arrived.append((peer, msg))
@@ -1028,6 +1039,7 @@ class PoolEngine:
         for link in dropped:
             self._link_lost(link)
         self._take_connections()
+        self._drain.tick()
         if self._early is None or self._early.take_cluster():
             self._loops.maintain()
         return True
@@ -1262,9 +1274,11 @@ class PoolEngine:
                         back.append(chunk)
                         rerun += 1
             back.extend(never)  # queued there, never started
+            if peer.draining is not None:  # its worker closes: not a loss
+                rerun = self._drain.left(peer, ran, never)
             self._stats.rerun(rerun, len(failed))
             self._retry.extendleft(reversed(back))
-            if back:
+            if back and peer.draining is None:
                 logger.log(
                     logging.INFO if peer.interrupted else logging.WARNING,
                     "fiber-dask: a pool worker (%s, pid %s) %s; re-running %d chunk(s)",

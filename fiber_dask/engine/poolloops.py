@@ -85,6 +85,9 @@ class Loops:
         self.position: dict[int, int] = {}  # loop number -> slot position
         self.connected: set[int] = set()  # loop numbers that ever connected
         self.recycled: set[int] = set()  # loops maxtasksperchild ended
+        #: Loops told to drain (their worker closes, engine.pooldrain): their
+        #: end is no failure, and another takes the slot.
+        self.drained: set[int] = set()
         #: Loops whose task ended, for the result thread (filled by _watch).
         self.done: collections.deque = collections.deque()
         self.failures = 0  # loops ended before connecting, since one connected
@@ -158,6 +161,7 @@ class Loops:
         for a loop no longer kept (given back, moved, or of a slot since
         replaced)."""
         self.failures = 0
+        self.drained.discard(n)  # this run of it is another
         position = self.position.get(n)
         if position is not None:
             self.connected.add(n)
@@ -229,6 +233,8 @@ class Loops:
             position = self.position.pop(n, None)
             recycled = n in self.recycled
             self.recycled.discard(n)
+            drained = n in self.drained
+            self.drained.discard(n)
             if fut is None or position is None:
                 continue
             if e._elastic is not None and e._elastic.loop_ended(n):
@@ -238,7 +244,12 @@ class Loops:
             if client.status != "running":
                 e._break(self._lost_scheduler())
                 continue
-            reason = proto.Reason.RECYCLED if recycled else self._reason(fut, n)
+            if recycled:
+                reason = proto.Reason.RECYCLED
+            elif drained:
+                reason = proto.Reason.DRAINED
+            else:
+                reason = self._reason(fut, n)
             if reason == proto.Reason.INIT_FAILED:
                 continue
             if reason not in proto.Reason.NORMAL:

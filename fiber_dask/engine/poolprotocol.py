@@ -22,6 +22,10 @@ owner → loop::
                             process ends itself (SIGKILL), see timelimits
     STOP                    stop after the queued work
     TERMINATE               stop now, interrupting the task
+    DRAIN                   the loop's Dask worker is closing: finish the
+                            chunk running, start no other, answer what ran
+                            and leave (``Gone(DRAINED)``): the owner then
+                            knows every chunk left unanswered never started
 
 loop → owner::
 
@@ -100,6 +104,7 @@ __all__ = [
     "Shared",
     "STOP",
     "TERMINATE",
+    "DRAIN",
     "FUNC_CACHE_SIZE",
     "PeerFunctions",
     "LoopFunctions",
@@ -146,8 +151,12 @@ class Reason:
     #: SIGKILL; its template forks a successor, as after ``RECYCLED``.
     EXPIRED = "time-limit"
 
+    #: DRAIN: its Dask worker is closing (lifetime, retirement); it finished
+    #: the chunk it ran and left, and another loop takes its slot.
+    DRAINED = "drained"
+
     #: Endings that are not a failure of the loop.
-    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED, EXPIRED})
+    NORMAL = frozenset({STOPPED, RECYCLED, NO_POOL, INTERRUPTED, EXPIRED, DRAINED})
 
 
 class Call:
@@ -363,6 +372,9 @@ class _Signal:
 STOP = _Signal("S", "STOP")
 #: Owner → loop: stop now, interrupting the running task.
 TERMINATE = _Signal("K", "TERMINATE")
+#: Owner → loop: your Dask worker is closing; finish the chunk running, then
+#: leave without starting another (:data:`Reason.DRAINED`).
+DRAIN = _Signal("D", "DRAIN")
 
 _KINDS = {
     kind.tag: kind
@@ -376,6 +388,7 @@ _KINDS = {
         Expire,
         STOP,
         TERMINATE,
+        DRAIN,
     )
 }
 

@@ -61,6 +61,8 @@ class _Loop:
         self.exec_lock = threading.Lock()
         self.executing = False
         self.stop_now = False
+        #: DRAIN came (its Dask worker is closing): no chunk starts any more.
+        self.draining = False
         #: It left its link (:meth:`leave`): its thread runs other code now.
         self.left = False
         self.main_ident = threading.get_ident()
@@ -100,7 +102,12 @@ class _Loop:
     def deliver(self, msg: Any) -> None:
         """On the link's receiver thread: a message for this loop, or None
         (the link dropped: the owner is gone).  TERMINATE and None interrupt
-        the running task, until the loop has left."""
+        the running task, until the loop has left; DRAIN lets it finish (set
+        here, not queued behind the chunks waiting in the inbox)."""
+        if msg is proto.DRAIN:
+            self.draining = True
+            self.inbox.put(msg)  # wakes a loop waiting for work: it leaves
+            return
         if msg is not None and msg is not proto.TERMINATE:
             if type(msg) is proto.Expire:
                 timelimits.expire()  # a slot process ends here, now
@@ -347,6 +354,10 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
     own, so a loop lost in it is known to have run only that one.  Never in
     the same ``Results`` as a later ``Calls``' chunks: the owner's rule for a
     lost loop, ``poolprotocol.lost_chunks``, depends on it.
+
+    After DRAIN (``loop.draining``) no chunk starts: the loop answers what
+    it ran and leaves (``Reason.DRAINED``), so the chunks it leaves
+    unanswered never started and the owner sends them elsewhere as they are.
     """
     completed = 0
     flush_after, flush_chunks = proto.FLUSH_SECONDS, proto.FLUSH_CHUNKS
@@ -357,12 +368,18 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
             return proto.Reason.TERMINATED
         if msg is proto.STOP:
             return proto.Reason.STOPPED
+        if loop.draining:
+            return proto.Reason.DRAINED
         calls = msg.calls
         answers: list = []
         oldest = 0.0  # when the oldest result in answers finished
         for i, call in enumerate(calls):
             if loop.stop_now:
                 return proto.Reason.TERMINATED
+            if loop.draining:
+                if answers:
+                    loop.send(proto.Results(answers))
+                return proto.Reason.DRAINED
             if answers and call.limits is not None and call.limits[1] is not None:
                 # Under a hard limit the owner must have every earlier
                 # chunk's answer before this one's Running: a slot process

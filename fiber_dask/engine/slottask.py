@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..transparency import privaterandom
+from .pooldrain import CLOSING
+from .poolprotocol import Reason
 from .poolworker import serve_slot
 from .slots import keep
 
@@ -51,6 +53,11 @@ def run_pool_worker(
         worker = get_worker()
     except (ImportError, ValueError):
         worker = None
+    status = getattr(getattr(worker, "status", None), "name", None)
+    if status in CLOSING:
+        # Started on a worker that is closing (it was queued there): leave at
+        # once, the pool starts another loop elsewhere (engine.pooldrain).
+        return Reason.DRAINED
     if slots is None:
         from .. import config
 
