@@ -29,6 +29,14 @@ from fiber_dask.futures import ProcessPoolExecutor
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def cluster_up():
+    # A pool made first in a program starts on early slots and hands them to
+    # the cluster's once it is up: a new slot process that is not a time
+    # limit's doing.  The tests compare slot pids, so the cluster is up first.
+    fiber_dask.get_client()
+
+
 # ------------------------------------------------------------------- soft
 
 
