@@ -69,6 +69,7 @@ from ..errors import PoolTerminatedError, TimeLimitExceeded, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats, slotrelay
 from .earlyslots import EarlySlots
+from .poolcause import Causes
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
 from .poolresults import MapResult, measured_chunksize
@@ -427,6 +428,8 @@ class PoolEngine:
         self._elastic = Elastic.for_engine(self)
         #: The loops as Dask tasks: claimed, submitted, replaced, released.
         self._loops = Loops(self, _live)
+        #: Items that fail for their losses, waiting to learn why (poolcause).
+        self._causes = Causes(self)
 
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
@@ -1030,6 +1033,10 @@ class PoolEngine:
         self._take_connections()
         if self._early is None or self._early.take_cluster():
             self._loops.maintain()
+        if self._causes.waiting:
+            for chunk, peer, death in self._causes.ready():
+                if not chunk.job._finished:
+                    self._settle(chunk, False, self._item_error(chunk, peer, death))
         return True
 
     def _should_continue(self) -> bool:
@@ -1189,7 +1196,7 @@ class PoolEngine:
             entry[3] = per_item if entry[3] is None else 0.7 * entry[3] + 0.3 * per_item
 
     def _peer_lost(self, peer: _Peer) -> None:
-        failed: list[tuple[_Chunk, BaseException]] = []
+        failed: list[_Chunk] = []
         with self._lock:
             if self._peers.get(peer.key) is not peer:
                 return  # already lost
@@ -1257,7 +1264,7 @@ class PoolEngine:
                     chunk.worker = peer.worker
                     chunk.alone = True
                     if chunk.attempts > self._allowed_failures:
-                        failed.append((chunk, self._item_error(chunk, peer)))
+                        failed.append(chunk)
                     else:
                         back.append(chunk)
                         rerun += 1
@@ -1279,8 +1286,9 @@ class PoolEngine:
                 storm = self._storm_error()
                 self._losses.clear()
             self._dispatch()
-        for chunk, err in failed:
-            self._settle(chunk, False, err)
+        for chunk in failed:
+            # It fails once the pool learns why its process died (poolcause).
+            self._causes.add(chunk, peer)
         if storm is not None:
             with self._lock:
                 jobs = list(self._cache)
@@ -1300,16 +1308,26 @@ class PoolEngine:
         for peer in peers:
             self._peer_lost(peer)
 
-    def _item_error(self, chunk: _Chunk, peer: _Peer) -> WorkerLostError:
+    def _item_error(
+        self, chunk: _Chunk, peer: _Peer, death: proto.Death | None = None
+    ) -> WorkerLostError:
         name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
+        if death is None:
+            how, remedy = f", pid {peer.pid}; why is not known", ""
+        else:
+            how, remedy = f": {death}", " " + death.remedy()
         return WorkerLostError(
             f"task {name}: this item (index {chunk.first_item()}) killed every "
             f"process it ran in: {chunk.attempts} worker "
-            f"processes died while it ran (last on {chunk.worker}, pid {peer.pid}); "
-            f"the limit is fiber.pool.allowed-failures={self._allowed_failures}. A "
+            f"processes died while it ran (last on {chunk.worker}{how}).{remedy} "
+            f"The limit is fiber.pool.allowed-failures={self._allowed_failures}. A "
             "task that crashes its process (segfault, os._exit, out of memory) "
             "fails this way; fix the task or raise the limit "
-            "(DASK_FIBER__POOL__ALLOWED_FAILURES)."
+            "(DASK_FIBER__POOL__ALLOWED_FAILURES).",
+            cause=death and death.cause,
+            signal=death and _signal(death.signal),
+            exitcode=death and death.exitcode,
+            address=(death and death.address) or chunk.worker,
         )
 
     def _storm_error(self) -> WorkerLostError:
@@ -1360,6 +1378,18 @@ class PoolEngine:
         for s in (self._wake_r, self._wake_w):
             s.close()
         _live.discard(self)
+
+
+def _signal(number: int | None) -> Any:
+    """``number`` as a :class:`signal.Signals` where it names one."""
+    import signal
+
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return number
 
 
 def _chunks_to_come(job) -> int:

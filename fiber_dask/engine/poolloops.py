@@ -64,6 +64,8 @@ logger = logging.getLogger("fiber_dask.pool")
 
 #: Seconds a running task gets to stop after terminate() (the loops are told).
 TERMINATE_GRACE = 1.0
+#: Ended loops whose Dask future is held for its result (Loops.ended).
+_ENDED_KEPT = 64
 
 
 class Loops:
@@ -87,6 +89,9 @@ class Loops:
         self.recycled: set[int] = set()  # loops maxtasksperchild ended
         #: Loops whose task ended, for the result thread (filled by _watch).
         self.done: collections.deque = collections.deque()
+        #: The last connected loops' ended Dask futures, held so that their
+        #: result (a keeper's Death) can still be read (poolcause).
+        self.ended: collections.OrderedDict = collections.OrderedDict()
         self.failures = 0  # loops ended before connecting, since one connected
         self.numbers = itertools.count()  # numbers the loops, never reused
         self.claim: cluster.SlotClaim | None = None
@@ -229,6 +234,10 @@ class Loops:
             position = self.position.pop(n, None)
             recycled = n in self.recycled
             self.recycled.discard(n)
+            if fut is not None and n in self.connected and not recycled:
+                self.ended[n] = fut
+                while len(self.ended) > _ENDED_KEPT:
+                    self.ended.popitem(last=False)
             if fut is None or position is None:
                 continue
             if e._elastic is not None and e._elastic.loop_ended(n):
