@@ -10,6 +10,7 @@ the re-runs that came before the error are proven too.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pickle
 import signal
@@ -21,6 +22,7 @@ import dask
 import pytest
 from distributed import Client
 from support.clusters import loopback_cluster
+from support.netns import DaskCluster, Network, unavailable
 from support.wait import wait_for_file
 from tasks.deaths import allocate, exit3, segfault, square, wait_to_be_killed
 from tasks.poolcore import executions
@@ -159,3 +161,41 @@ def test_embedded_cluster_applies_fiber_local_memory_limit(tmp_path):
     # slot already handed over to the cluster's loop (a retiring slot's
     # loss is not counted against the item).
     assert executions(str(d), 0) in (2, 3)
+
+
+PEER_TIMEOUT = 4  # seconds: fiber.peer-timeout of the host-cut test's processes
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"netns: {unavailable()}")
+def test_host_cut_off_is_a_lost_host(tmp_path):
+    """A worker host whose cable is pulled (network namespaces, support/netns)
+    while the pool's only slot runs a task there: ``cause="host"``."""
+    timeouts = {"DASK_FIBER__PEER_TIMEOUT": f"{PEER_TIMEOUT}s"}
+    with Network(tmp_path / "net") as net:
+        cluster = DaskCluster(net, net.add_host("sched", number=1))
+        doomed = net.add_host("h1", number=11)
+        cluster.add_worker(doomed, resources={"h1": 1}, env=timeouts)
+        client = net.add_host("client", number=100)
+        marker = str(tmp_path / "started")
+        script = client.python(
+            "crosshost_client.py",
+            "cause_cut",
+            json.dumps({"host": "h1", "marker": marker}),
+            env=cluster.client_env(
+                {**timeouts, "DASK_FIBER__POOL__ALLOWED_FAILURES": "0"}
+            ),
+        )
+        script.expect("cut-now", timeout=120)
+        doomed.cut()
+        script.send("cut")
+        r = script.expect("result", timeout=120)
+        script.wait()
+        assert r["cause"] == "host", r
+        assert doomed.ip in r["address"], r
+        assert r["signal"] is None, r
+        assert f"stopped answering for fiber.peer-timeout={PEER_TIMEOUT}s" in (
+            r["message"]
+        ), r
+        assert "Check the worker's host, its network" in r["message"], r
+        # Found by the connection's keep-alive, within the timeout.
+        assert r["after_cut"] < PEER_TIMEOUT + 5, r

@@ -12,6 +12,9 @@ poolengine`), before anyone knows why.  The why comes after, from one of:
   after the loss;
 * **the early slot's fork** (the first pool's early slots): the owner holds
   their template's reports itself;
+* **the link itself**: a link that dropped because its host stopped
+  answering (its keep-alive, set by ``fiber.peer-timeout``, timed out: no
+  end-of-file came) is ``"host"`` at once — the keeper cannot tell;
 * **the scheduler**, when the whole Dask worker went (a lost host or network,
   a retired worker, a thread slot's worker process): its ``remove-worker``
   event for that worker, whose ``stimulus_id`` says why: a missed heartbeat
@@ -62,6 +65,11 @@ class Causes:
         for w in list(self.waiting):
             chunk, peer, since, asked = w
             death = self._keeper(peer) or self._early(peer)
+            if death is None and peer.link.silent and not asked:
+                # Its host stopped answering: no keeper will tell; the
+                # scheduler may know more (a job that ended, a retirement).
+                w[3] = True
+                death = self._scheduler(peer) or _silent(peer)
             if death is None and now - since > _ASK_AFTER and not asked:
                 w[3] = True
                 death = self._scheduler(peer)
@@ -121,6 +129,16 @@ class Causes:
                 cluster = getattr(self.engine._handle, "cluster", None)
                 return _removed(worker, stimulus, cluster)
         return None
+
+
+def _silent(peer: Any) -> proto.Death:
+    from ..comm.channel import peer_timeout
+
+    return proto.Death(
+        "host", address=peer.worker, pid=peer.pid,
+        detail=f"its host stopped answering for fiber.peer-timeout="
+        f"{peer_timeout():g}s (pid {peer.pid}): the host or its network is gone",
+    )  # fmt: skip
 
 
 def _removed(worker: str, stimulus: str, cluster: Any) -> proto.Death:

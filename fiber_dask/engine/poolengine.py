@@ -47,6 +47,7 @@ of looping forever.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import heapq
 import itertools
@@ -171,7 +172,7 @@ class _Link:
     """One connection from a worker process, carrying the messages of its
     loops of this pool (:mod:`fiber_dask.engine.poollink` is the other end)."""
 
-    __slots__ = ("conn", "reader", "peers", "hello", "broken")
+    __slots__ = ("conn", "reader", "peers", "hello", "broken", "silent")
 
     def __init__(self, conn, hello):
         self.conn = conn
@@ -179,6 +180,9 @@ class _Link:
         self.peers: dict[int, _Peer] = {}  # loop number -> its peer
         self.hello = hello
         self.broken = False
+        #: It dropped because its host stopped answering (the keep-alive of
+        #: fiber.peer-timeout timed out), not with an end-of-file (poolcause).
+        self.silent = False
 
     def send(self, routed: list, shared: proto.Shared | None = None) -> bool:
         """Send ``routed`` (``(loop, message)`` pairs) in one frame, with the
@@ -989,8 +993,9 @@ class PoolEngine:
                 continue
             try:
                 frames = link.reader.frames()
-            except (EOFError, OSError):
+            except (EOFError, OSError) as exc:
                 frames = None
+                link.silent = getattr(exc, "errno", None) == errno.ETIMEDOUT
             for raw in frames or ():
                 try:
                     routed = proto.decode_frame(raw)
