@@ -331,17 +331,29 @@ def list_jobs(cluster: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def worker_job_ended(cluster: Any, worker: str) -> bool:
-    """Whether the Dask worker at ``worker``, removed from ``cluster`` (one
-    this process started with a :class:`ReplacesEndedJobs` class), went with
-    its batch job: the batch system no longer lists the job as queued or
-    running (``scancel``, walltime).  False when that cannot be told."""
-    job_id = getattr(cluster, "__dict__", {}).get("_fiber_removed", {}).get(worker)
+def worker_job_ended(cluster: Any, worker: str) -> tuple[str, str] | None:
+    """``(job id, state)`` when the Dask worker at ``worker``, of ``cluster``
+    (one this process started with a :class:`ReplacesEndedJobs` class), went
+    with its batch job: the batch system no longer lists the job as queued or
+    running (``scancel``, walltime; ``state`` is what it lists, or
+    ``"gone"``).  None when it still runs or that cannot be told."""
     batch = getattr(cluster, "_fiber_batch", None)
-    if job_id is None or batch is None:
-        return False
+    if batch is None:
+        return None
+    job_id = cluster.__dict__.get("_fiber_removed", {}).get(worker)
+    if job_id is None:  # not removed yet: find it among the connected workers
+        try:
+            name = cluster.scheduler_info["workers"].get(worker, {}).get("name")
+            job = cluster._fiber_job_of(name) if name is not None else None
+            job_id = getattr(cluster.workers.get(job), "job_id", None)
+        except (AttributeError, KeyError, TypeError):
+            return None
+    if job_id is None:
+        return None
     try:
         state = batch.states([job_id]).get(job_id)
     except OSError:
-        return False
-    return state not in batch.alive
+        return None
+    if state in batch.alive:
+        return None
+    return job_id, state or "gone"

@@ -74,12 +74,15 @@ class Causes:
                 w[3] = True
                 death = self._scheduler(peer)
             if death is None and now - since > WAIT:
-                death = self._scheduler(peer)
+                death = self._scheduler(peer) or self._job(peer, None)
                 if death is None:
                     out.append((chunk, peer, None))
                     self.waiting.remove(w)
                     continue
             if death is not None:
+                # A batch job that ended says more than how its processes
+                # died (scancel's SIGTERM, the walltime's SIGKILL).
+                death = self._job(peer, death) or death
                 if death.address is None:
                     death.address = peer.worker
                 out.append((chunk, peer, death))
@@ -111,6 +114,25 @@ class Causes:
 
         return death(fork, peer.worker)
 
+    def _job(self, peer: Any, death: proto.Death | None) -> proto.Death | None:
+        """``"job"`` when ``peer``'s worker went with its batch job."""
+        cluster = getattr(self.engine._handle, "cluster", None)
+        if death is not None and death.cause == "job":
+            return death
+        ended = job_ended(cluster, peer.worker) if peer.worker else None
+        if ended is None:
+            return None
+        job_id, state = ended
+        how = ""
+        if death is not None and death.cause in ("signal", "exit", "memory"):
+            how = f"; its slot process was {death}"  # e.g. killed by SIGTERM
+        return proto.Death(
+            "job", death and death.signal, death and death.exitcode, peer.worker,
+            peer.pid,
+            detail=f"its Dask worker {peer.worker} went with its batch job "
+            f"{job_id}, which the batch system lists as {state}{how}",
+        )  # fmt: skip
+
     def _scheduler(self, peer: Any) -> proto.Death | None:
         """The scheduler's word on ``peer``'s Dask worker, if it removed it."""
         worker = peer.worker
@@ -126,8 +148,7 @@ class Causes:
         for _, msg in reversed(list(events or ())):
             if isinstance(msg, dict) and msg.get("action") == "remove-worker":
                 stimulus = str(msg.get("stimulus_id") or "")
-                cluster = getattr(self.engine._handle, "cluster", None)
-                return _removed(worker, stimulus, cluster)
+                return _removed(worker, stimulus)
         return None
 
 
@@ -141,15 +162,10 @@ def _silent(peer: Any) -> proto.Death:
     )  # fmt: skip
 
 
-def _removed(worker: str, stimulus: str, cluster: Any) -> proto.Death:
+def _removed(worker: str, stimulus: str) -> proto.Death:
     """The :class:`~fiber_dask.engine.poolprotocol.Death` of a worker the
-    scheduler removed for ``stimulus``."""
-    if job_ended(cluster, worker):
-        return proto.Death(
-            "job", address=worker,
-            detail=f"its Dask worker {worker} went with its batch job, which "
-            "the batch system no longer runs",
-        )  # fmt: skip
+    scheduler removed for ``stimulus`` (a batch job that ended is for
+    :meth:`Causes._job` to tell)."""
     if stimulus.startswith("retire-workers"):
         return proto.Death(
             "scaled-down", address=worker,
@@ -171,11 +187,12 @@ def _removed(worker: str, stimulus: str, cluster: Any) -> proto.Death:
     return proto.Death("host", address=worker, detail=f"its Dask worker {worker} {how}")
 
 
-def job_ended(cluster: Any, worker: str) -> bool:
-    """Whether ``worker`` belonged to a batch job that the batch system no
-    longer runs (a dask-jobqueue cluster this process started)."""
-    if cluster is None:
-        return False
+def job_ended(cluster: Any, worker: str) -> tuple[str, str] | None:
+    """``(job id, state)`` when ``worker`` belonged to a batch job that the
+    batch system no longer runs (a dask-jobqueue cluster this process
+    started), else None."""
+    if cluster is None or not hasattr(cluster, "_fiber_batch"):
+        return None
     from ..backends import jobwatch
 
     return jobwatch.worker_job_ended(cluster, worker)
