@@ -1,10 +1,13 @@
 """Why a worker died: the ``cause`` a ``WorkerLostError`` carries (issue 31).
 
-Real causes, each on a LocalCluster of its own (``client=``) so the deaths do
-not disturb the session's embedded cluster: a task over its Dask worker's
-memory limit in a slot process, a segfault, ``os._exit(3)``, a SIGKILL of the
-slot process after its started marker.  Each test counts the executions, so
-the re-runs that came before the error are proven too.
+Real causes, each on a cluster of its own so the deaths do not disturb the
+session's embedded cluster: a task over its Dask worker's memory limit in a
+slot process (a LocalCluster, and the embedded cluster as a user runs it), a
+segfault, ``os._exit(3)``, a SIGKILL of the slot process after its started
+marker, a thread slot's task ending its Dask worker, and a worker host cut off
+from the network (network namespaces, ``support/netns.py``).  A SLURM job
+cancelled under a task is in ``test_slurm.py``, beside its SLURM.  Each test
+counts the executions, so the re-runs before the error are proven too.
 """
 
 from __future__ import annotations
@@ -199,3 +202,14 @@ def test_host_cut_off_is_a_lost_host(tmp_path):
         assert "Check the worker's host, its network" in r["message"], r
         # Found by the connection's keep-alive, within the timeout.
         assert r["after_cut"] < PEER_TIMEOUT + 5, r
+
+
+def test_thread_slot_task_that_ends_its_worker_is_a_lost_worker(client, tmp_path):
+    """With ``fiber.pool.slots: thread`` the task ends the Dask worker process
+    itself: the scheduler's reason for removing it is all that is known."""
+    with dask.config.set({"fiber.pool.slots": "thread"}):
+        err = lost(client, exit3, allowed=0, directory=str(tmp_path))
+    assert err.cause == "host", str(err)
+    assert err.address is not None and err.address in str(err)
+    assert "Check the worker's host" in str(err)
+    assert executions(str(tmp_path), 0) == 1

@@ -182,8 +182,16 @@ def _removed(worker: str, stimulus: str) -> proto.Death:
             "dropped its connection to the scheduler: its host, network or "
             "process is gone"
         )
+    elif stimulus.startswith("nanny-close"):
+        # Thread slots: the task ended the Dask worker process itself.
+        how = (
+            "process ended and its nanny unregistered it (the nanny's log has "
+            "its exit status)"
+        )
     else:
-        how = f"was removed by the scheduler ({stimulus.split('-1')[0] or 'no reason'})"
+        head, _, tail = stimulus.rpartition("-")
+        reason = head if tail.replace(".", "").isdigit() else stimulus
+        how = f"was removed by the scheduler ({reason or 'no reason given'})"
     return proto.Death("host", address=worker, detail=f"its Dask worker {worker} {how}")
 
 
