@@ -58,8 +58,12 @@ def workers(client):
     return set(client.scheduler_info()["workers"])
 
 
-def test_segfault_is_a_signal(client, tmp_path):
-    err = lost(client, segfault, directory=str(tmp_path))
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_segfault_is_a_signal(client, tmp_path, relay):
+    """Also through the slot relay, whose worker process says ``Gone`` for the
+    dead slot before its keeper knows why."""
+    with dask.config.set({"fiber.pool.relay": relay}):
+        err = lost(client, segfault, directory=str(tmp_path))
     assert err.cause == "signal"
     assert err.signal == signal.SIGSEGV and err.exitcode is None
     assert err.address in workers(client)

@@ -39,7 +39,8 @@ may have run, each is re-run in a ``Calls`` of its own, without counting, so
 the next loss names it.  So only an item that was running each time accrues
 failures, as Dask counts per task, and it fails with
 :class:`~fiber_dask.errors.WorkerLostError` after
-``fiber.pool.allowed-failures``.  Workers that die while no chunk finishes in
+``fiber.pool.allowed-failures``, saying why its process died once that is
+known (:mod:`fiber_dask.engine.poolcause`, at most a few seconds).  Workers that die while no chunk finishes in
 between (an out-of-memory storm) fail the running jobs after a bound instead
 of looping forever.
 """

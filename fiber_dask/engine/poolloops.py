@@ -203,6 +203,8 @@ class Loops:
         its release from the client's event loop).  A connected loop ends by
         itself on STOP/TERMINATE; releasing one that never connected keeps it
         from starting."""
+        if not only_unconnected:
+            self.ended.clear()  # their results are of no use any more
         for n, fut in list(self.futures.items()):
             if only_unconnected and n in self.connected:
                 continue

@@ -77,9 +77,12 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   process (only it: no Dask worker is harmed, so this holds on any cluster).
 * **Restarts stay local.**  ``maxtasksperchild`` retires a slot process; its
   keeper forks the next one at once instead of a new Dask task.  A slot process
-  that crashed (segfault, ``os._exit``, SIGKILL, OOM) makes the keeper return,
-  so the owner counts a failed loop and Dask places a new one; the owner sees
-  the dropped connection and re-runs the chunk, as for a lost worker.
+  that crashed (segfault, ``os._exit``, SIGKILL, OOM) makes the keeper return
+  how it died (a :class:`~fiber_dask.engine.poolprotocol.Death`), so the owner
+  counts a failed loop and Dask places a new one; the owner sees the dropped
+  connection and re-runs the chunk, as for a lost worker, and the error of a
+  task that keeps crashing says why.  A slot process's memory counts against
+  its Dask worker's limit (:mod:`fiber_dask.engine.slotmemory`).
 
 The messages between keeper and template, and what each means, are
 :mod:`fiber_dask.engine.templateprotocol`, which both ends import: ``Fork`` on
