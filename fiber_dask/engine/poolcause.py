@@ -95,7 +95,7 @@ class Causes:
         """What ``peer``'s keeper returned, once its Dask task ended."""
         loop = peer.loop
         if loop not in self.deaths:
-            fut = self.engine._loops.ended.get(loop)
+            fut = self.engine._loops.ended.get(loop, (None, None))[1]
             if fut is None or fut.status != "finished":
                 return None
             try:

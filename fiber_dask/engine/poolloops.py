@@ -64,8 +64,10 @@ logger = logging.getLogger("fiber_dask.pool")
 
 #: Seconds a running task gets to stop after terminate() (the loops are told).
 TERMINATE_GRACE = 1.0
-#: Ended loops whose Dask future is held for its result (Loops.ended).
+#: Ended loops whose Dask future is held for its result (Loops.ended), at
+#: most, and for how many seconds (longer than poolcause.WAIT).
 _ENDED_KEPT = 64
+_ENDED_FOR = 10.0
 
 
 class Loops:
@@ -89,8 +91,9 @@ class Loops:
         self.recycled: set[int] = set()  # loops maxtasksperchild ended
         #: Loops whose task ended, for the result thread (filled by _watch).
         self.done: collections.deque = collections.deque()
-        #: The last connected loops' ended Dask futures, held so that their
-        #: result (a keeper's Death) can still be read (poolcause).
+        #: loop number -> (when, its Dask future) of the connected loops that
+        #: ended lately, held so that their result (a keeper's Death) can
+        #: still be read (poolcause).
         self.ended: collections.OrderedDict = collections.OrderedDict()
         self.failures = 0  # loops ended before connecting, since one connected
         self.numbers = itertools.count()  # numbers the loops, never reused
@@ -228,6 +231,13 @@ class Loops:
         e = self.engine
         client = e._client
         replace: list[int] = []  # slot positions, submitted together below
+        # A held result keeps its worker from retiring (its data would be
+        # lost): hold an ended loop's future only while a cause may be asked.
+        while self.ended and (
+            len(self.ended) > _ENDED_KEPT
+            or next(iter(self.ended.values()))[0] < time.monotonic() - _ENDED_FOR
+        ):
+            self.ended.popitem(last=False)
         while self.done:
             if client.status == "connecting" and e.state != TERMINATE:
                 break  # the client is reconnecting: replace the loops after that
@@ -236,14 +246,12 @@ class Loops:
             position = self.position.pop(n, None)
             recycled = n in self.recycled
             self.recycled.discard(n)
-            if fut is not None and n in self.connected and not recycled:
-                self.ended[n] = fut
-                while len(self.ended) > _ENDED_KEPT:
-                    self.ended.popitem(last=False)
             if fut is None or position is None:
                 continue
             if e._elastic is not None and e._elastic.loop_ended(n):
                 continue  # given back while idle: not a loss, not replaced
+            if n in self.connected and not recycled:
+                self.ended[n] = (time.monotonic(), fut)
             if e.state == TERMINATE or e._stop_sent is not None or e.broken:
                 continue
             if client.status != "running":
