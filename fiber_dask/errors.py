@@ -36,7 +36,43 @@ class WorkerLostError(multiprocessing.ProcessError):
     A worker that dies (SIGKILL, out of memory, a lost host) costs a re-run of the
     work it held; a task that keeps killing the workers it lands on ends in this
     error instead of a hang.
+
+    Beyond the stdlib (whose pool hangs, and whose executor's
+    ``BrokenProcessPool`` does not say why), it says why the last process died:
+
+    ``cause``
+        ``"memory"`` (over its Dask worker's memory limit, or the kernel's OOM
+        killer), ``"signal"`` (killed by a signal: a segfault, a SIGKILL from
+        outside), ``"exit"`` (the process exited: ``os._exit``, a C library's
+        ``exit()``), ``"host"`` (its Dask worker was lost: the host, its
+        network or the worker process), ``"job"`` (the batch job holding the
+        worker ended: ``scancel``, walltime), ``"scaled-down"`` (the cluster
+        retired the worker), or None when it could not be learnt.
+    ``signal``
+        The :class:`signal.Signals` that killed it, or None.
+    ``exitcode``
+        Its exit code when it exited, or None.
+    ``address``
+        The Dask worker's address, or None.
     """
+
+    #: The values ``cause`` takes (None aside).
+    CAUSES = ("memory", "signal", "exit", "host", "job", "scaled-down")
+
+    def __init__(
+        self,
+        *args: Any,
+        cause: str | None = None,
+        signal: int | None = None,
+        exitcode: int | None = None,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(*args)
+        # Plain attributes: BaseException pickles its __dict__ with its args.
+        self.cause = cause
+        self.signal = signal
+        self.exitcode = exitcode
+        self.address = address
 
 
 class SoftTimeLimitExceeded(Exception):

@@ -818,3 +818,52 @@ def test_using_a_batch_backend_keeps_the_programs_ctrl_c() -> None:
         terminal_python("-c", code), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+
+
+SCANCEL_CAUSE = """
+    import json, os, sys, time
+    import fiber_dask
+
+    MARKS = sys.argv[1]
+
+    def task(x):
+        job = os.environ["SLURM_JOB_ID"]
+        with open(os.path.join(MARKS, f"started-{job}.tmp"), "w") as f:
+            f.write(job)
+        os.rename(os.path.join(MARKS, f"started-{job}.tmp"),
+                  os.path.join(MARKS, f"started-{job}"))
+        time.sleep(120)
+        return "not cancelled"
+
+    if __name__ == "__main__":
+        out = {}
+        with fiber_dask.Pool(1) as pool:
+            try:
+                out["value"] = pool.apply(task, (0,))
+            except fiber_dask.WorkerLostError as e:
+                out.update(cause=e.cause, address=e.address, message=str(e))
+        fiber_dask.shutdown()
+        print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_scancel_under_a_task_is_a_job_cause(slurm, tmp_path) -> None:
+    """Issue 31: the WorkerLostError of a task whose worker's job was
+    cancelled says so (``cause="job"``), not merely that a worker died."""
+    prog = Program(tmp_path, slurm, fiber={"pool": {"allowed-failures": 0}})
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = prog.start(SCANCEL_CAUSE, str(marks))
+    try:
+        started = wait_until(lambda: list(marks.glob("started-*")), 90, "the task")
+        job = started[0].name.split("-")[1]
+        subprocess.run(["scancel", job], env={**os.environ, **slurm}, check=True)
+        r = prog.result(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert r.get("cause") == "job", r
+    assert f"batch job {job}" in r["message"], r
+    assert "scancel, walltime" in r["message"], r
+    prog.assert_no_job_left()

@@ -162,6 +162,13 @@ class ReplacesEndedJobs:
         super()._update_worker_status(op, msg)  # type: ignore[misc]
         job = self._fiber_job_of(name) if name is not None else None
         if job is not None:
+            # For worker_job_ended: a pool asks why this worker went.
+            job_id = getattr(self.workers.get(job), "job_id", None)
+            if "_fiber_removed" not in self.__dict__:
+                self._fiber_removed: dict[str, str] = {}
+            if job_id is not None:
+                self._fiber_removed[msg] = job_id
+        if job is not None:
             asyncio.get_running_loop().call_later(
                 self._fiber_grace, self._fiber_check_soon, job, 0.0
             )
@@ -322,3 +329,31 @@ def list_jobs(cluster: Any) -> list[dict[str, Any]]:
     for row in rows:
         row["state"] = states.get(row["id"]) if row["id"] else "not submitted"
     return rows
+
+
+def worker_job_ended(cluster: Any, worker: str) -> tuple[str, str] | None:
+    """``(job id, state)`` when the Dask worker at ``worker``, of ``cluster``
+    (one this process started with a :class:`ReplacesEndedJobs` class), went
+    with its batch job: the batch system no longer lists the job as queued or
+    running (``scancel``, walltime; ``state`` is what it lists, or
+    ``"gone"``).  None when it still runs or that cannot be told."""
+    batch = getattr(cluster, "_fiber_batch", None)
+    if batch is None:
+        return None
+    job_id = cluster.__dict__.get("_fiber_removed", {}).get(worker)
+    if job_id is None:  # not removed yet: find it among the connected workers
+        try:
+            name = cluster.scheduler_info["workers"].get(worker, {}).get("name")
+            job = cluster._fiber_job_of(name) if name is not None else None
+            job_id = getattr(cluster.workers.get(job), "job_id", None)
+        except (AttributeError, KeyError, TypeError):
+            return None
+    if job_id is None:
+        return None
+    try:
+        state = batch.states([job_id]).get(job_id)
+    except OSError:
+        return None
+    if state in batch.alive:
+        return None
+    return job_id, state or "gone"

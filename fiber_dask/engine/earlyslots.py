@@ -73,6 +73,7 @@ from ..backends import workerstart
 from ..launch.launcher import child_env
 from ..transparency import interrupts
 from . import poolprotocol as proto
+from . import slotmemory
 from .slots import EARLY_ENV, SlotSpec, Template
 
 __all__ = ["start_cluster", "EarlySlots"]
@@ -146,6 +147,8 @@ class EarlySlots:
         self.position: dict[int, int] = {}
         #: loop number -> its slot process as the template reports it.
         self.forks: dict[int, Any] = {}
+        #: The memory limit the early slot processes count against (slotmemory).
+        self.limits: tuple | None = None
         #: Every early loop's number, gone or not.
         self.numbers: set[int] = set()
         self.attached: set[int] = set()
@@ -172,6 +175,8 @@ class EarlySlots:
         for key, value in workerstart.worker_env().items():
             env.setdefault(key, value)
         env["DASK_FIBER__LISTEN_HOST"] = self.starting.listen_host
+        # Each counts against the memory limit of the worker it stands for.
+        self.limits = slotmemory.early_limits()
         for position in range(e.processes):
             n = next(e._loops.numbers)
             self.position[n] = position
@@ -186,7 +191,7 @@ class EarlySlots:
                 None,
                 env,
             )
-            self.forks[n] = self.template.fork(spec)
+            self.forks[n] = self.template.fork(spec, self.limits)
             if e._maxtasks is not None:
                 threading.Thread(
                     target=self._keep,
@@ -213,7 +218,7 @@ class EarlySlots:
             ):
                 self.engine._wake()
                 return
-            self.forks[n] = template.fork(spec)
+            self.forks[n] = template.fork(spec, self.limits)
 
     def _cluster_up(self, handle: Any) -> None:
         """On the starting thread, before anything else gets the cluster: the

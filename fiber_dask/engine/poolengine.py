@@ -39,7 +39,8 @@ may have run, each is re-run in a ``Calls`` of its own, without counting, so
 the next loss names it.  So only an item that was running each time accrues
 failures, as Dask counts per task, and it fails with
 :class:`~fiber_dask.errors.WorkerLostError` after
-``fiber.pool.allowed-failures``.  Workers that die while no chunk finishes in
+``fiber.pool.allowed-failures``, saying why its process died once that is
+known (:mod:`fiber_dask.engine.poolcause`, at most a few seconds).  Workers that die while no chunk finishes in
 between (an out-of-memory storm) fail the running jobs after a bound instead
 of looping forever.
 """
@@ -47,6 +48,7 @@ of looping forever.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import heapq
 import itertools
@@ -69,6 +71,7 @@ from ..errors import PoolTerminatedError, TimeLimitExceeded, WorkerLostError
 from . import poolprotocol as proto
 from . import poolstats, slotrelay
 from .earlyslots import EarlySlots
+from .poolcause import Causes
 from .pooldrain import Drain
 from .poolelastic import Elastic
 from .poolloops import TERMINATE_GRACE, Loops
@@ -171,7 +174,7 @@ class _Link:
     """One connection from a worker process, carrying the messages of its
     loops of this pool (:mod:`fiber_dask.engine.poollink` is the other end)."""
 
-    __slots__ = ("conn", "reader", "peers", "hello", "broken")
+    __slots__ = ("conn", "reader", "peers", "hello", "broken", "silent")
 
     def __init__(self, conn, hello):
         self.conn = conn
@@ -179,6 +182,9 @@ class _Link:
         self.peers: dict[int, _Peer] = {}  # loop number -> its peer
         self.hello = hello
         self.broken = False
+        #: It dropped because its host stopped answering (the keep-alive of
+        #: fiber.peer-timeout timed out), not with an end-of-file (poolcause).
+        self.silent = False
 
     def send(self, routed: list, shared: proto.Shared | None = None) -> bool:
         """Send ``routed`` (``(loop, message)`` pairs) in one frame, with the
@@ -436,6 +442,8 @@ class PoolEngine:
         self._drain = Drain(self)
         #: The loops as Dask tasks: claimed, submitted, replaced, released.
         self._loops = Loops(self, _live)
+        #: Items that fail for their losses, waiting to learn why (poolcause).
+        self._causes = Causes(self)
 
         self._token = uuid.uuid4().hex[:12]
         self._service = f"pool-{self._token}"
@@ -996,8 +1004,9 @@ class PoolEngine:
                 continue
             try:
                 frames = link.reader.frames()
-            except (EOFError, OSError):
+            except (EOFError, OSError) as exc:
                 frames = None
+                link.silent = getattr(exc, "errno", None) == errno.ETIMEDOUT
             for raw in frames or ():
                 try:
                     routed = proto.decode_frame(raw)
@@ -1042,6 +1051,10 @@ class PoolEngine:
         self._drain.tick()
         if self._early is None or self._early.take_cluster():
             self._loops.maintain()
+        if self._causes.waiting:
+            for chunk, peer, death in self._causes.ready():
+                if not chunk.job._finished:
+                    self._settle(chunk, False, self._item_error(chunk, peer, death))
         return True
 
     def _should_continue(self) -> bool:
@@ -1201,7 +1214,7 @@ class PoolEngine:
             entry[3] = per_item if entry[3] is None else 0.7 * entry[3] + 0.3 * per_item
 
     def _peer_lost(self, peer: _Peer) -> None:
-        failed: list[tuple[_Chunk, BaseException]] = []
+        failed: list[_Chunk] = []
         with self._lock:
             if self._peers.get(peer.key) is not peer:
                 return  # already lost
@@ -1269,7 +1282,7 @@ class PoolEngine:
                     chunk.worker = peer.worker
                     chunk.alone = True
                     if chunk.attempts > self._allowed_failures:
-                        failed.append((chunk, self._item_error(chunk, peer)))
+                        failed.append(chunk)
                     else:
                         back.append(chunk)
                         rerun += 1
@@ -1293,8 +1306,9 @@ class PoolEngine:
                 storm = self._storm_error()
                 self._losses.clear()
             self._dispatch()
-        for chunk, err in failed:
-            self._settle(chunk, False, err)
+        for chunk in failed:
+            # It fails once the pool learns why its process died (poolcause).
+            self._causes.add(chunk, peer)
         if storm is not None:
             with self._lock:
                 jobs = list(self._cache)
@@ -1314,16 +1328,26 @@ class PoolEngine:
         for peer in peers:
             self._peer_lost(peer)
 
-    def _item_error(self, chunk: _Chunk, peer: _Peer) -> WorkerLostError:
+    def _item_error(
+        self, chunk: _Chunk, peer: _Peer, death: proto.Death | None = None
+    ) -> WorkerLostError:
         name = getattr(chunk.job._func, "__qualname__", repr(chunk.job._func))
+        if death is None:
+            how, remedy = f", pid {peer.pid}; why is not known", ""
+        else:
+            how, remedy = f": {death}", " " + death.remedy()
         return WorkerLostError(
             f"task {name}: this item (index {chunk.first_item()}) killed every "
             f"process it ran in: {chunk.attempts} worker "
-            f"processes died while it ran (last on {chunk.worker}, pid {peer.pid}); "
-            f"the limit is fiber.pool.allowed-failures={self._allowed_failures}. A "
+            f"processes died while it ran (last on {chunk.worker}{how}).{remedy} "
+            f"The limit is fiber.pool.allowed-failures={self._allowed_failures}. A "
             "task that crashes its process (segfault, os._exit, out of memory) "
             "fails this way; fix the task or raise the limit "
-            "(DASK_FIBER__POOL__ALLOWED_FAILURES)."
+            "(DASK_FIBER__POOL__ALLOWED_FAILURES).",
+            cause=death and death.cause,
+            signal=death and _signal(death.signal),
+            exitcode=death and death.exitcode,
+            address=(death and death.address) or chunk.worker,
         )
 
     def _storm_error(self) -> WorkerLostError:
@@ -1374,6 +1398,18 @@ class PoolEngine:
         for s in (self._wake_r, self._wake_w):
             s.close()
         _live.discard(self)
+
+
+def _signal(number: int | None) -> Any:
+    """``number`` as a :class:`signal.Signals` where it names one."""
+    import signal
+
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return number
 
 
 def _chunks_to_come(job) -> int:

@@ -64,6 +64,10 @@ logger = logging.getLogger("fiber_dask.pool")
 
 #: Seconds a running task gets to stop after terminate() (the loops are told).
 TERMINATE_GRACE = 1.0
+#: Ended loops whose Dask future is held for its result (Loops.ended), at
+#: most, and for how many seconds (longer than poolcause.WAIT).
+_ENDED_KEPT = 64
+_ENDED_FOR = 10.0
 
 
 class Loops:
@@ -90,6 +94,10 @@ class Loops:
         self.drained: set[int] = set()
         #: Loops whose task ended, for the result thread (filled by _watch).
         self.done: collections.deque = collections.deque()
+        #: loop number -> (when, its Dask future) of the connected loops that
+        #: ended lately, held so that their result (a keeper's Death) can
+        #: still be read (poolcause).
+        self.ended: collections.OrderedDict = collections.OrderedDict()
         self.failures = 0  # loops ended before connecting, since one connected
         self.numbers = itertools.count()  # numbers the loops, never reused
         self.claim: cluster.SlotClaim | None = None
@@ -202,6 +210,8 @@ class Loops:
         its release from the client's event loop).  A connected loop ends by
         itself on STOP/TERMINATE; releasing one that never connected keeps it
         from starting."""
+        if not only_unconnected:
+            self.ended.clear()  # their results are of no use any more
         for n, fut in list(self.futures.items()):
             if only_unconnected and n in self.connected:
                 continue
@@ -225,6 +235,13 @@ class Loops:
         e = self.engine
         client = e._client
         replace: list[int] = []  # slot positions, submitted together below
+        # A held result keeps its worker from retiring (its data would be
+        # lost): hold an ended loop's future only while a cause may be asked.
+        while self.ended and (
+            len(self.ended) > _ENDED_KEPT
+            or next(iter(self.ended.values()))[0] < time.monotonic() - _ENDED_FOR
+        ):
+            self.ended.popitem(last=False)
         while self.done:
             if client.status == "connecting" and e.state != TERMINATE:
                 break  # the client is reconnecting: replace the loops after that
@@ -239,6 +256,8 @@ class Loops:
                 continue
             if e._elastic is not None and e._elastic.loop_ended(n):
                 continue  # given back while idle: not a loss, not replaced
+            if n in self.connected and not recycled:
+                self.ended[n] = (time.monotonic(), fut)
             if e.state == TERMINATE or e._stop_sent is not None or e.broken:
                 continue
             if client.status != "running":

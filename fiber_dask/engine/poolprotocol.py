@@ -115,6 +115,7 @@ __all__ = [
     "decode_failure",
     "dumps_value",
     "Reason",
+    "Death",
 ]
 
 #: Functions one loop holds at most.  A pool that cycles through more (a new
@@ -269,6 +270,97 @@ class InitFailed:
     @classmethod
     def from_fields(cls, blob) -> InitFailed:
         return cls(blob)
+
+
+class Death:
+    """Why a loop's process died: what its keeper (or, for a lost Dask worker,
+    the scheduler) knows, carried to the owner as the keeper's return value
+    and into :class:`~fiber_dask.errors.WorkerLostError`'s ``cause``,
+    ``signal``, ``exitcode`` and ``address``.  ``cause`` is one of
+    ``WorkerLostError.CAUSES``; ``extra``: ``used``, ``limit``, ``fraction``,
+    ``size`` (bytes) for a slot ended over its worker's memory limit,
+    ``oom_killer`` for the kernel's, ``detail`` for a lost worker."""
+
+    __slots__ = ("cause", "signal", "exitcode", "address", "pid", "extra")
+
+    def __init__(self, cause, signal=None, exitcode=None, address=None, pid=None,
+                 **extra):  # fmt: skip
+        self.cause, self.signal, self.exitcode = cause, signal, exitcode
+        self.address, self.pid, self.extra = address, pid, extra
+
+    def __reduce__(self):
+        return _death, (self.cause, self.signal, self.exitcode, self.address,
+                        self.pid, self.extra)  # fmt: skip
+
+    def signal_name(self) -> str:
+        import signal
+
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+    def __str__(self) -> str:
+        """What happened, as a clause: ``killed by SIGSEGV (pid 12)``."""
+        x = self.extra
+        pid = f" (pid {self.pid})" if self.pid is not None else ""
+        if self.cause == "memory" and "used" in x:
+            return (
+                f"ended for memory{pid}: its Dask worker and slot processes used "
+                f"{_mib(x['used'])}, this slot process {_mib(x['size'])}, over "
+                f"distributed.worker.memory.terminate={x['fraction']:g} x the "
+                f"worker's memory limit of {_mib(x['limit'])}"
+            )
+        if self.cause == "memory":
+            return f"killed by the kernel's OOM killer{pid} (SIGKILL; its cgroup " \
+                "counted an OOM kill)"
+        if self.cause == "signal":
+            return f"killed by {self.signal_name()}{pid}"
+        if self.cause == "exit":
+            return f"exited with code {self.exitcode}{pid}"
+        return x.get("detail") or f"lost ({self.cause})"
+
+    def remedy(self) -> str:
+        """What to change, as a sentence."""
+        if self.cause == "memory":
+            return (
+                "Give the workers more memory (fiber.local.memory-limit on the "
+                "embedded cluster, the workers' --memory-limit or the backend's "
+                "memory setting elsewhere), make the task use less, or raise "
+                "distributed.worker.memory.terminate."
+            )
+        if self.cause == "signal":
+            if self.signal == 9:
+                return (
+                    "Something outside the task sent SIGKILL (a user, a job's "
+                    "kill, the kernel); check the host's log."
+                )
+            return (
+                f"A {self.signal_name()} is a crash in native code (a segfault "
+                "in a C extension, ctypes) or a signal sent from outside; the "
+                "worker's stderr has the task's faulthandler traceback."
+            )
+        if self.cause == "exit":
+            return (
+                "The task (or a library it calls) ended its process: os._exit(), "
+                "a C exit(); it should raise instead."
+            )
+        if self.cause == "scaled-down":
+            return "The cluster retired the worker; the pool re-ran what it held."
+        if self.cause == "job":
+            return (
+                "The batch job holding the worker ended (scancel, walltime); "
+                "check the job's accounting (sacct) and its walltime."
+            )
+        return "Check the worker's host, its network and the worker's log."
+
+
+def _death(cause, signal, exitcode, address, pid, extra) -> Death:
+    return Death(cause, signal, exitcode, address, pid, **extra)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
 
 class Attach:

@@ -77,9 +77,12 @@ Why this shape (measured; see benchmarks/RESULTS.md):
   process (only it: no Dask worker is harmed, so this holds on any cluster).
 * **Restarts stay local.**  ``maxtasksperchild`` retires a slot process; its
   keeper forks the next one at once instead of a new Dask task.  A slot process
-  that crashed (segfault, ``os._exit``, SIGKILL, OOM) makes the keeper return,
-  so the owner counts a failed loop and Dask places a new one; the owner sees
-  the dropped connection and re-runs the chunk, as for a lost worker.
+  that crashed (segfault, ``os._exit``, SIGKILL, OOM) makes the keeper return
+  how it died (a :class:`~fiber_dask.engine.poolprotocol.Death`), so the owner
+  counts a failed loop and Dask places a new one; the owner sees the dropped
+  connection and re-runs the chunk, as for a lost worker, and the error of a
+  task that keeps crashing says why.  A slot process's memory counts against
+  its Dask worker's limit (:mod:`fiber_dask.engine.slotmemory`).
 
 The messages between keeper and template, and what each means, are
 :mod:`fiber_dask.engine.templateprotocol`, which both ends import: ``Fork`` on
@@ -103,6 +106,7 @@ from typing import Any
 
 from ..launch import childsetup
 from ..transparency import resourcetracker
+from . import slotmemory
 from . import templateprotocol as proto
 from .slotpipe import FrameReader, write_frame
 
@@ -149,7 +153,12 @@ class SlotSpec:
 class _Fork:
     """The keeper's view of one slot process."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: tuple | None = None) -> None:
+        #: The memory limit this slot process counts against
+        #: (fiber_dask.engine.slotmemory), or None.
+        self.limits = limits
+        #: Set by slotmemory when it ended the slot process for memory.
+        self.memory: tuple | None = None
         self.pid: int | None = None
         self.code: int | None = None
         self.reason: str | None = None
@@ -158,6 +167,8 @@ class _Fork:
         self.done = threading.Event()
 
     def _finish(self, code: int | None, reason: str | None, error: str | None) -> None:
+        if self.limits is not None:
+            slotmemory.unwatch(self)
         self.code, self.reason, self.error = code, reason, error
         self.started.set()
         self.done.set()
@@ -342,17 +353,22 @@ class Template:
         if fork is None:
             return
         if running:
+            if fork.limits is not None and fork.pid is not None:
+                slotmemory.unwatch(fork)  # recycled: its successor's turn
             fork.pid = msg.pid
+            if fork.limits is not None:
+                slotmemory.watch(fork, fork.limits)
             fork.started.set()
         elif kind is proto.Exited:
             fork._finish(msg.code, msg.reason, None)
         else:  # Failed
             fork._finish(None, None, msg.error)
 
-    def fork(self, spec: SlotSpec) -> _Fork:
-        """Ask the template for a slot process running ``spec``."""
+    def fork(self, spec: SlotSpec, limits: tuple | None = None) -> _Fork:
+        """Ask the template for a slot process running ``spec``; it counts
+        against ``limits`` (:mod:`fiber_dask.engine.slotmemory`), if any."""
         blob = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
-        f = _Fork()
+        f = _Fork(limits)
         with self.lock:
             if self.dead:
                 f._finish(None, None, "the slot template process is gone")
@@ -591,8 +607,11 @@ def keep(
     the pool's link first; else it dials the owner itself.
 
     Returns why the slot ended, as :func:`fiber_dask.engine.poolworker.serve_slot`
-    does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or
-    ``"slot process died: ..."`` when it crashed.  A slot process retired by
+    does (``"stopped"``, ``"terminated"``, ``"no-pool"``, ...), or, when it
+    died, a :class:`~fiber_dask.engine.poolprotocol.Death` saying how (its
+    signal or exit code; ended by :mod:`fiber_dask.engine.slotmemory` for
+    memory), which the owner puts in the ``WorkerLostError`` of a task that
+    keeps killing its processes.  A slot process retired by
     ``maxtasksperchild`` (``"recycled"``) is replaced without a new Dask task:
     by the template at once (``Restarted``), or here when that failed.
     """
@@ -627,22 +646,24 @@ def keep(
             return hold  # the pool is gone or unreachable: no slot process
         spec.relay = hold.ticket
     try:
-        return _keep(spec)
+        return _keep(spec, worker)
     finally:
         if hold is not None:
             hold.close()
 
 
-def _keep(spec: SlotSpec) -> str:
-    """Keep ``spec``'s slot process running; why the slot ended."""
+def _keep(spec: SlotSpec, worker: Any = None) -> Any:
+    """Keep ``spec``'s slot process running; why the slot ended (a string,
+    or a :class:`~fiber_dask.engine.poolprotocol.Death`)."""
     from .poolprotocol import Reason
 
+    limits = slotmemory.limits_of(worker)
     while True:
         try:
             template = get_template()
         except OSError as e:
             return f"slot process could not start: {e}"
-        f = template.fork(spec)
+        f = template.fork(spec, limits)
         # No timeout: the template answers once its imports are done (seconds
         # on a loaded host), and its death ends the wait; a keeper that gave up
         # early could leave a slot process it no longer keeps.
@@ -655,17 +676,4 @@ def _keep(spec: SlotSpec) -> str:
             return f.reason
         if f.error is not None:
             return f"slot process could not start: {f.error}"
-        return f"slot process died: {_describe(f.code)} (pid {f.pid})"
-
-
-def _describe(code: int | None) -> str:
-    if code is None:
-        return "unknown status"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+        return slotmemory.death(f, spec.worker_address)

@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from distributed import Client, LocalCluster
 
 
-def loopback_cluster(n_workers: int) -> LocalCluster:
-    """A LocalCluster of worker processes, one thread each, on 127.0.0.1 only."""
+def loopback_cluster(n_workers: int, **kwargs) -> LocalCluster:
+    """A LocalCluster of worker processes, one thread each, on 127.0.0.1 only
+    (``kwargs``: more of LocalCluster's, e.g. ``memory_limit``)."""
     return LocalCluster(
         n_workers=n_workers,
         threads_per_worker=1,
         processes=True,
         dashboard_address=None,
         host="127.0.0.1",
+        **kwargs,
     )
 
 

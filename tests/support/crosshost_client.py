@@ -851,6 +851,42 @@ def scenario_unreachable(params: dict) -> dict:
     return out
 
 
+def marked_wait(path):
+    """Write the started marker ``path`` (this pid), then wait to be cut off."""
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+    return "not cut off"
+
+
+def scenario_cause_cut(params: dict) -> dict:
+    """A pool's only slot on a host that the test cuts off mid-task: the
+    task's WorkerLostError says why (issue 31)."""
+    mp = multiprocessing
+    stdin = Stdin()
+    marker = params["marker"]
+    pool = mp.Pool(1, resources={params["host"]: 1})
+    res = pool.apply_async(marked_wait, (marker,))
+    wait_until(lambda: os.path.exists(marker), 60, "the task's started marker")
+    emit("cut-now")
+    check(stdin.get(timeout=60) == "cut", "protocol")
+    cut_at = time.monotonic()
+    try:
+        res.get(timeout=60)
+        out: dict = {"cause": "none"}
+    except mp.WorkerLostError as e:
+        out = {
+            "cause": e.cause,
+            "address": e.address,
+            "signal": e.signal,
+            "message": str(e),
+            "after_cut": round(time.monotonic() - cut_at, 2),
+        }
+    pool.terminate()
+    return out
+
+
 def main() -> None:
     scenario = sys.argv[1]
     params = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
