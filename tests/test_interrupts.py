@@ -267,27 +267,43 @@ def test_ctrl_c_while_the_first_pool_binds_the_clusters_start(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_the_worker_fork_server_ignores_ctrl_c_from_its_exec_on():
+SERVER_PROGRAM = """
+import json, time
+import psutil
+from fiber_dask.backends import workerstart
+
+if __name__ == "__main__":
+    server = workerstart.start()
+    proc = psutil.Process(server.pid)
+    deadline = time.monotonic() + 60
+    while "workerstart import serve" not in " ".join(proc.cmdline()):
+        assert time.monotonic() < deadline, "the fork server never ran Python"
+    with open(f"/proc/{server.pid}/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    print(json.dumps({
+        "state": status["State"].strip(),
+        "ignored": int(status["SigIgn"], 16),
+        "running": server._proc.poll() is None,
+    }), flush=True)
+    server.stop(timeout=5)
+"""
+
+
+def test_the_worker_fork_server_ignores_ctrl_c_from_its_exec_on(tmp_path):
     # Before its first line of code the server imports site (and whatever
     # .pth files import): a Ctrl-C there ended it with "Fatal Python error:
-    # init_import_site" when SIGINT was ignored only in its code.
-    import psutil
-    from fiber_dask.backends import workerstart
-
-    server = workerstart.start()
-    assert server is not None, "the worker fork server did not start"
-    try:
-        proc = psutil.Process(server.pid)
-
-        def serving_python():
-            return "workerstart import serve" in " ".join(proc.cmdline())
-
-        wait_until(serving_python, timeout=30, what="the fork server's exec of Python")
-        with open(f"/proc/{proc.pid}/status") as f:
-            ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
-        assert ignored & (1 << (signal.SIGINT - 1)), f"SigIgn {ignored:#x}: SIGINT not ignored"
-    finally:
-        server.stop(timeout=5)
+    # init_import_site" when SIGINT was ignored only in its code.  Read as
+    # soon as the server is Python, in a program as a user's (with SIGINT's
+    # default handler, whatever this suite has).
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_PROGRAM)
+    proc = subprocess.run(
+        terminal_python(str(script)), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert r["running"] and not r["state"].startswith("Z"), r
+    assert r["ignored"] & (1 << (signal.SIGINT - 1)), f"SIGINT not ignored: {r}"
 
 
 def test_a_ctrl_c_in_a_first_import_waits_for_it_to_be_whole():
