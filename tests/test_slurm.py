@@ -397,8 +397,11 @@ def test_worker_lifetime_before_the_walltime_drains_the_pool_into_new_jobs(
         slurm,
         # a worker starts in ~2-6 s here (a loaded machine): 12 s leaves it
         # some life to run tasks in
+        # a short walltime, as the issue asks: were the worker not to close
+        # at its lifetime, SLURM would end the job under the map at 1 min
         jobqueue={
-            "worker-extra-args": ["--lifetime", "12s", "--lifetime-stagger", "0s"]
+            "walltime": "00:01:00",
+            "worker-extra-args": ["--lifetime", "12s", "--lifetime-stagger", "0s"],
         },
     )
     marks = tmp_path / "marks"
