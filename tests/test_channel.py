@@ -361,7 +361,9 @@ def test_frame_reader_reads_every_waiting_frame_and_keeps_partial_ones():
         reads += 1
     t.join()
     assert got == sent
-    assert reads < len(sent) + len(big) // (1 << 16)  # not a read per byte
+    # Not a read per byte (a million): how much each read finds depends on
+    # how the sender's thread is scheduled, a few KiB on a loaded machine.
+    assert reads < len(big) // 4096, reads
     sender.close()
     assert sel.select(timeout=30)
     with pytest.raises(EOFError):

@@ -54,8 +54,14 @@ def lost(client, func, allowed=1, **kwargs):
     return info.value
 
 
+def _scheduler_workers(dask_scheduler):
+    return list(dask_scheduler.workers)
+
+
 def workers(client):
-    return set(client.scheduler_info()["workers"])
+    # The scheduler's own list now: the client's scheduler_info() is a copy it
+    # refreshes every few seconds (a loaded CI run read an empty one).
+    return set(client.run_on_scheduler(_scheduler_workers))
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
