@@ -11,12 +11,10 @@ reports what it saw as JSON; the assertions are here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from support.programs import run_reporting
 
 MINIMUM, MAXIMUM = 1, 3
 
@@ -134,9 +132,9 @@ PROBE = (
 def test_local_adaptive_scales_up_under_a_pool_and_down_when_idle(tmp_path) -> None:
     script = tmp_path / "adaptive_probe.py"
     script.write_text(PROBE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    env.update(
-        {
+    r, _ = run_reporting(
+        script,
+        settings={
             "DASK_FIBER__BACKEND": "local",
             "DASK_FIBER__ADAPTIVE__ENABLED": "true",
             "DASK_FIBER__ADAPTIVE__MINIMUM": str(MINIMUM),
@@ -145,19 +143,9 @@ def test_local_adaptive_scales_up_under_a_pool_and_down_when_idle(tmp_path) -> N
             "DASK_FIBER__ADAPTIVE__INTERVAL": "100ms",
             "DASK_FIBER__ADAPTIVE__WAIT_COUNT": "3",
             "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
-        }
-    )
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+        },
         timeout=140,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
     print("adaptive:", json.dumps(r, indent=1))
 
     # idle: the minimum, as scheduler workers and as OS processes

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from support.programs import run_reporting
 
 from fiber_dask.engine import pooldrain
 from fiber_dask.engine import poolprotocol as proto
@@ -81,38 +80,37 @@ PROGRAM = textwrap.dedent(
 )
 
 
+#: The embedded cluster of the drain programs: two worker processes.
+TWO_WORKERS = {
+    "DASK_FIBER__BACKEND": "local",
+    "DASK_FIBER__LOCAL__N_WORKERS": "2",
+    "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
+}
+
+
 def _run(tmp_path, *, seconds: float, long: int, items: int, **env_extra) -> tuple:
     script = tmp_path / "drain_probe.py"
     script.write_text(PROGRAM)
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    env.update(
-        {
-            "DASK_FIBER__BACKEND": "local",
-            "DASK_FIBER__LOCAL__N_WORKERS": "2",
-            "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
+    r, stderr = run_reporting(
+        script,
+        marks,
+        seconds,
+        long,
+        items,
+        settings={
+            **TWO_WORKERS,
             "DASK_DISTRIBUTED__WORKER__LIFETIME__DURATION": "3s",
             "DASK_DISTRIBUTED__WORKER__LIFETIME__RESTART": "true",
             **env_extra,
-        }
+        },
     )
-    proc = subprocess.run(
-        [sys.executable, str(script), str(marks), str(seconds), str(long), str(items)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
     counts: dict[str, dict[int, int]] = {"start": {}, "finish": {}}
     for name in os.listdir(marks):
         kind, x, _ = name.split("-")
         counts[kind][int(x)] = counts[kind].get(int(x), 0) + 1
-    return r, counts, proc.stderr
+    return r, counts, stderr
 
 
 #: How the slots run: their own processes (the default), through their worker
@@ -229,25 +227,7 @@ def test_a_retired_worker_drains_its_slot(tmp_path) -> None:
     script.write_text(RETIRE)
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    env.update(
-        {
-            "DASK_FIBER__BACKEND": "local",
-            "DASK_FIBER__LOCAL__N_WORKERS": "2",
-            "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
-        }
-    )
-    proc = subprocess.run(
-        [sys.executable, str(script), str(marks)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
+    r, _ = run_reporting(script, marks, settings=TWO_WORKERS)
     print("retire:", json.dumps(r))
     assert r["ok"] and r["retired"] == [r["worker"]], r
     assert r["drain"] == {"started": 1, "drained": 1, "cut": 0}, r

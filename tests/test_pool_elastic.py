@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 import uuid
 
 import dask
 import pytest
+from support.programs import run_reporting
 from support.wait import wait_until
 
 import fiber_dask
@@ -267,9 +266,10 @@ def test_local_adaptive_workers_go_while_the_pool_is_idle(tmp_path) -> None:
     script.write_text(PROBE)
     runs = tmp_path / "runs"
     runs.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    env.update(
-        {
+    r, stderr = run_reporting(
+        script,
+        runs,
+        settings={
             "DASK_FIBER__BACKEND": "local",
             "DASK_FIBER__ADAPTIVE__ENABLED": "true",
             "DASK_FIBER__ADAPTIVE__MINIMUM": "0",
@@ -279,19 +279,9 @@ def test_local_adaptive_workers_go_while_the_pool_is_idle(tmp_path) -> None:
             "DASK_FIBER__ADAPTIVE__WAIT_COUNT": "3",
             "DASK_FIBER__LOCAL__DASHBOARD_ADDRESS": "None",
             "DASK_FIBER__POOL__IDLE_TIMEOUT": "1s",
-        }
-    )
-    proc = subprocess.run(
-        [sys.executable, str(script), str(runs)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+        },
         timeout=140,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
     print("elastic:", json.dumps(r, indent=1))
     assert r["size"] == MAXIMUM, r
     assert r["first_ok"] and r["second_ok"], r
@@ -311,7 +301,7 @@ def test_local_adaptive_workers_go_while_the_pool_is_idle(tmp_path) -> None:
             counts[x] = counts.get(x, 0) + 1
     assert counts == {x: 2 for x in range(40)}, counts
     assert r["loop_failures"] == 0, r
-    assert "died" not in proc.stderr, proc.stderr[-3000:]
+    assert "died" not in stderr, stderr[-3000:]
 
 
 # ------------------------------------------- emulated Kubernetes, real operator
