@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import config
 from .backends import ClusterHandle, load_backend, peerslots, upcluster
@@ -45,6 +45,9 @@ from .backends.upcluster import running_handle
 from .errors import ClusterConnectionError
 from .launch import mainguard
 from .transparency import interrupts, privaterandom
+
+if TYPE_CHECKING:
+    from .comm.ports import PortReservation
 
 __all__ = [
     "init",
@@ -276,12 +279,16 @@ class Starting:
         planned_slots: int,
         scheduler_address: str,
         fork_server: Any,
+        *,
+        reservation: PortReservation | None = None,
     ) -> None:
         self.listen_host = listen_host
         self.planned_slots = planned_slots
         #: Where the scheduler will listen (its port picked before it starts,
         #: so that processes started meanwhile know where to attach).
         self.scheduler_address = scheduler_address
+        #: Its port, held bound until the scheduler listens on it.
+        self._reservation = reservation
         self.fork_server = fork_server
         self.handle: ClusterHandle | None = None
         self.error: BaseException | None = None
@@ -369,6 +376,9 @@ class Starting:
             h = start()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             h, self.error = None, e
+        finally:
+            if self._reservation is not None:
+                self._reservation.release()  # the scheduler listens, or never will
         if h is not None:
             for hook in self._ready_hooks:
                 try:
@@ -395,7 +405,7 @@ class Starting:
 
 
 def start_embedded(
-    planned_slots: int, scheduler_port: int, fork_server: Any
+    planned_slots: int, scheduler_port: PortReservation, fork_server: Any
 ) -> Starting | None:
     """Start the embedded cluster on a thread of its own and return at once,
     if this process has no cluster and the resolution order (module
@@ -403,7 +413,8 @@ def start_embedded(
 
     ``fork_server``: the worker fork server, already started (with the early
     slot template it forks: :mod:`fiber_dask.engine.earlyslots`);
-    ``scheduler_port``: the port the scheduler is to listen on."""
+    ``scheduler_port``: the port the scheduler is to listen on, held until it
+    does (or its start fails), then released here."""
     global _starting
 
     # A Ctrl-C here is held to the end: bound but not running, a start would
@@ -415,12 +426,13 @@ def start_embedded(
         starting = Starting(
             "127.0.0.1",
             planned_slots,
-            f"tcp://127.0.0.1:{scheduler_port}",
+            f"tcp://127.0.0.1:{scheduler_port.port}",
             fork_server,
+            reservation=scheduler_port,
         )
         backend = load_backend("local")(  # fiber_dask.backends.local
             fork_server=fork_server,
-            scheduler_port=scheduler_port,
+            scheduler_port=scheduler_port.port,
             entering=starting.entering,
         )
         thread = threading.Thread(

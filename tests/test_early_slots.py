@@ -132,6 +132,16 @@ def test_what_starts_while_the_cluster_does_waits_for_it(tmp_path) -> None:
     assert out["results"] == [x * x for x in range(20)]
 
 
+def test_the_schedulers_port_is_held_from_when_it_is_picked(tmp_path) -> None:
+    # The port is picked before the scheduler starts (early slots are told
+    # where to attach); until it listens there, no other socket may take it.
+    out, _ = run("port_taken", tmp_path)
+    assert out["before_up"], "the cluster was up before the program looked"
+    assert out["refused"] == "EADDRINUSE", out
+    assert out["scheduler"] == f"tcp://127.0.0.1:{out['port']}"
+    assert out["maps"] >= 1
+
+
 def test_early_slots_off_by_config_waits_for_the_cluster(tmp_path) -> None:
     out, _ = run("exit", tmp_path, DASK_FIBER__LOCAL__EARLY_SLOTS="false")
     assert out["results"] == [x * x for x in range(10)]

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 from multiprocessing.pool import CLOSE, TERMINATE  # the pool's states are the stdlib's
@@ -70,6 +69,7 @@ from typing import Any
 
 from .. import cluster, config
 from ..backends import workerstart
+from ..comm.ports import PortReservation
 from ..launch.launcher import child_env
 from ..transparency import interrupts
 from . import poolprotocol as proto
@@ -115,20 +115,15 @@ def start_cluster(
         if server is None:
             early.discard()
             return None
-        starting = cluster.start_embedded(planned, _free_port(), server)
+        port = PortReservation("127.0.0.1")  # released once the scheduler listens
+        starting = cluster.start_embedded(planned, port, server)
         if starting is None:  # pragma: no cover - another thread bound one first
+            port.release()
             server.stop()
             early.discard()
             return None
         starting.early_template = early
         return starting
-
-
-def _free_port() -> int:
-    """A free port on 127.0.0.1 for the scheduler, known before it starts."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EarlySlots:

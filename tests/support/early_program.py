@@ -216,6 +216,42 @@ def scenario_others_wait(marks: str) -> dict:
     }
 
 
+def scenario_port_taken(marks: str) -> dict:
+    """Another socket tries to take the scheduler's port, picked before the
+    scheduler starts, while the cluster starts (an outgoing connection's
+    ephemeral port or another test's bind to port 0 did in CI); it listens
+    there if it got it, as a stranger's server would."""
+    import errno
+    import functools
+    import socket
+
+    from fiber_dask import cluster
+
+    pool = fiber_dask.Pool(2)
+    starting = cluster._starting
+    before_up = starting is not None and not starting.done()
+    port = int(starting.scheduler_address.rsplit(":", 1)[1]) if starting else None
+    stranger = socket.socket()
+    try:
+        stranger.bind(("127.0.0.1", port))
+        stranger.listen()
+        refused = None
+    except OSError as e:
+        refused = errno.errorcode.get(e.errno, str(e.errno))
+    maps = until_on_cluster(pool, square, marks, 10)  # results checked there
+    scheduler = fiber_dask.get_client().scheduler.address
+    pool.close()
+    pool.join()
+    stranger.close()
+    return {
+        "before_up": before_up,
+        "port": port,
+        "refused": refused,
+        "maps": len(maps),
+        "scheduler": scheduler,
+    }
+
+
 def scenario_owner_killed(marks: str) -> dict:
     """Item 0 starts in an early slot; the test SIGKILLs this process then."""
     import functools
