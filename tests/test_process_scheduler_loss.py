@@ -23,20 +23,13 @@ from support.wait import wait_for_file, wait_until
 from tasks import process as hp
 
 from fiber_dask import cluster
+from fiber_dask.comm.ports import PortReservation
 from fiber_dask.errors import ClusterConnectionError
 from fiber_dask.process import Process
 
 pytestmark = pytest.mark.timeout(120)
 
 CONNECT_TIMEOUT = 3.0  # below Dask's own 10 s reconnect: the setting must count
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _dask(*args: str) -> subprocess.Popen:
@@ -49,7 +42,9 @@ def _dask(*args: str) -> subprocess.Popen:
 
 @pytest.fixture
 def scheduler_and_worker():
-    port = _free_port()
+    # Held until the scheduler listens there (the test waits for that).
+    reserved = PortReservation("127.0.0.1")
+    port = reserved.port
     address = f"tcp://127.0.0.1:{port}"
     sched = _dask(
         "scheduler", "--host", "127.0.0.1", "--port", str(port),
@@ -60,8 +55,9 @@ def scheduler_and_worker():
         "--no-dashboard", "--host", "127.0.0.1",
     )  # fmt: skip
     try:
-        yield address, sched
+        yield address, sched, reserved
     finally:
+        reserved.release()
         handle = cluster._attached.pop(address, None)
         for proc in (worker, sched):
             proc.kill()
@@ -87,9 +83,10 @@ def _listening(port: int) -> bool:
 
 
 def test_process_started_after_the_scheduler_was_killed(scheduler_and_worker, tmp_path):
-    address, sched = scheduler_and_worker
+    address, sched, reserved = scheduler_and_worker
     port = int(address.rsplit(":", 1)[1])
     wait_until(lambda: _listening(port), 60, "the dask scheduler to listen")
+    reserved.release()
     client = cluster.get_handle(address=address).client
     wait_until(
         lambda: client.scheduler_info()["workers"], 60, "the dask worker to register"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
+
+from fiber_dask.comm.ports import PortReservation
 
 
 def loopback_cluster(n_workers: int, **kwargs) -> LocalCluster:
@@ -37,11 +38,11 @@ def runs_under(pid: int, worker_pids) -> bool:
     return any(p in set(worker_pids) for p in chain)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> PortReservation:
+    """A TCP port on 127.0.0.1, held bound until ``release()`` so that no other
+    socket takes it before the server it is for listens there (a Dask
+    scheduler binds it all the same: fiber_dask.comm.ports)."""
+    return PortReservation("127.0.0.1")
 
 
 @contextlib.contextmanager
@@ -53,7 +54,8 @@ def command_line_cluster(
     ``(address, scheduler, worker)`` once the worker has joined; stops both
     at the end (killed if they have not exited 30 s after SIGTERM, or
     already killed by the test)."""
-    port = free_port()
+    reserved = reserve_port()
+    port = reserved.port
     address = f"tcp://127.0.0.1:{port}"
     quiet = subprocess.DEVNULL
     scheduler = subprocess.Popen(
@@ -69,9 +71,11 @@ def command_line_cluster(
     )  # fmt: skip
     try:
         with Client(address, timeout=60, set_as_default=False) as c:
+            reserved.release()  # the scheduler listens there
             c.wait_for_workers(1, timeout=60)
         yield address, scheduler, worker
     finally:
+        reserved.release()
         for p in (worker, scheduler):
             p.terminate()
         for p in (worker, scheduler):

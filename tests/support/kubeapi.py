@@ -545,16 +545,14 @@ class Kubelet:
         return proc
 
     def _start_scheduler(self, name: str, dep: Mapping[str, Any]) -> None:
-        import socket
         import urllib.request
 
+        from fiber_dask.comm.ports import PortReservation
+
         args, env = self._container(dep)
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        comm, dashboard = ports
+        # Held until the scheduler serves, so that no other socket takes them.
+        held = [PortReservation("127.0.0.1") for _ in range(2)]
+        comm, dashboard = (r.port for r in held)
         assert args[:2] == ["dask", "scheduler"], args
         args = [a for a in args if a not in ("--host", "0.0.0.0")]
         args += ["--host", "127.0.0.1", "--port", str(comm)]
@@ -571,8 +569,12 @@ class Kubelet:
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
+                for r in held:
+                    r.release()
                 raise RuntimeError(f"scheduler {name} did not start")
             time.sleep(0.1)
+        for r in held:
+            r.release()
         labels = dep["spec"]["template"]["metadata"]["labels"]
         cluster = labels["dask.org/cluster-name"]
         self.schedulers[cluster] = f"tcp://127.0.0.1:{comm}"
