@@ -5,12 +5,19 @@ The shape of IMPALA-style reinforcement learning, on the stdlib API:
 * ``--actors`` actor Processes each step their own CartPole environment with
   the newest policy they have, and put every finished episode (observations,
   actions, the weights' version) on one shared ``Queue``;
-* the learner (this process) takes episodes off the Queue, and after every
-  ``--batch`` episodes played with its current weights makes a policy-gradient
-  step (REINFORCE with a normalised reward-to-go baseline, Adam), then sends the
-  new weights to every actor through that actor's ``Pipe``;
-* an episode played with old weights is counted and dropped, so every update
-  is on-policy.
+* the learner (this process) takes episodes off the Queue, and once every
+  actor's share of ``--batch`` episodes played with its current weights is in,
+  makes a policy-gradient step (REINFORCE with a normalised reward-to-go
+  baseline, Adam), then sends the new weights to every actor through that
+  actor's ``Pipe``;
+* an episode played with old weights would be counted and dropped, so every
+  update is on-policy.
+
+Each episode's randomness is seeded by (``--seed``, actor, weights' version,
+episode number), and a batch is every actor's share in that order, whichever
+actor's episodes arrive first: the same seed trains the same policy on any
+schedule, under fiber-dask as under the stdlib, on an idle machine or a busy
+one.
 
 At the end the learner sends ``None`` down every Pipe, keeps draining the Queue
 until every actor has exited (an actor that still has items to flush cannot
@@ -53,23 +60,24 @@ def probability_right(params: np.ndarray, obs: np.ndarray) -> np.ndarray:
 
 
 def actor(
-    index: int, weights: Any, episodes: Any, env_kind: str, seed: int, quota: int
+    index: int, weights: Any, episodes: Any, env_kind: str, seed: int, share: int
 ) -> None:
-    """Play up to ``quota`` episodes with each version of the weights, always the
+    """Play ``share`` episodes with each version of the weights, always the
     newest that has arrived, until ``None`` arrives."""
     env = es.make_env(env_kind)
-    rng = np.random.default_rng([seed, index])
     version, params = -1, None
     n = 0
     while True:
-        # Wait for new weights once the quota is used up (the learner has what
+        # Wait for new weights once the share is played (the learner has what
         # it needs from us), else take the newest that has arrived, if any.
-        while params is None or n >= quota or weights.poll():
+        while params is None or n >= share or weights.poll():
             msg = weights.recv()
             if msg is None:
                 return
             version, params = msg
             n = 0
+        # Seeded by what the episode is, not by how many came before it.
+        rng = np.random.default_rng([seed, index, version, n])
         obs, _ = env.reset(seed=int(rng.integers(2**31)))
         observations, actions = [], []
         while True:
@@ -80,7 +88,7 @@ def actor(
             if terminated or truncated:
                 break
         episodes.put(
-            (index, version, np.array(observations), np.array(actions, np.int8))
+            (index, version, n, np.array(observations), np.array(actions, np.int8))
         )
         n += 1
 
@@ -122,8 +130,9 @@ Actors and a learner, IMPALA-style, on the multiprocessing API: actor Processes
 play CartPole-v1 and put their episodes on one Queue; the learner makes a
 policy-gradient step (REINFORCE, Adam) every --batch episodes played with its
 current weights and sends the new weights to every actor through its Pipe.
-Ends with a line starting "final:" (exit status 0 when the greedy policy's mean
-reward reaches --target)."""
+The same --seed trains the same policy on every run and engine. Ends with a
+line starting "final:" (exit status 0 when the greedy policy's mean reward
+reaches --target)."""
 
 EPILOG = """\
 examples:
@@ -211,15 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         cloudpickle.register_pickle_by_value(es)
     t0 = time.perf_counter()
-    # Each actor plays its share of a batch, and one more so that a slow actor
-    # does not hold the update up.
-    quota = -(-a.batch // a.actors) + 1
+    # Each actor plays its share of every batch: the batch is the same
+    # episodes whichever actor is quicker (slower, the update waits for it).
+    shares = [a.batch // a.actors + (i < a.batch % a.actors) for i in range(a.actors)]
     episodes = mp.Queue()
     pipes = [mp.Pipe(duplex=False) for _ in range(a.actors)]
     actors = [
         mp.Process(
             target=actor,
-            args=(i, pipes[i][0], episodes, a.env, a.seed, quota),
+            args=(i, pipes[i][0], episodes, a.env, a.seed, shares[i]),
             name=f"actor-{i}",
         )
         for i in range(a.actors)
@@ -228,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     params = np.zeros(5)
     opt = es.Adam(params.size, a.lr)
-    version, batch, returns = 0, [], []
+    version, got = 0, {}  # (actor, episode number) -> this version's episode
     played = stale = 0
     first = last = float("nan")
     updates = 0
@@ -250,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         broadcast()
         while updates < a.updates:
             try:
-                _, ver, obs, acts = episodes.get(timeout=1.0)
+                index, ver, n, obs, acts = episodes.get(timeout=1.0)
             except queue.Empty:
                 failed = [p for p in actors if p.exitcode not in (None, 0)]
                 if failed:
@@ -268,10 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ver != version:
                 stale += 1
                 continue
-            batch.append((obs, acts))
-            returns.append(len(acts))
-            if len(batch) < a.batch:
+            got[index, n] = (obs, acts)
+            if len(got) < a.batch:
                 continue
+            batch = [got[k] for k in sorted(got)]  # the same order on any schedule
+            returns = [len(acts) for _, acts in batch]
             params = params + opt.step(gradient(params, batch))
             version += 1
             updates += 1
@@ -287,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"|{'#' * filled}{' ' * (20 - filled)}|",
                 flush=True,
             )
-            batch, returns = [], []
+            got = {}
             if last >= a.target:
                 break
     finally:
