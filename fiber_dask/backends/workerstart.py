@@ -232,15 +232,12 @@ class WorkerForkServer(forkserver.ForkServer):
                         "from fiber_dask.backends.workerstart import serve; "
                         f"serve({listener.fileno()}, {alive_r})"
                     )
-                    # Ctrl-C is not for the cluster, from the exec on.
-                    args = interrupts.ignored_from_exec(
-                        [
-                            spawn.get_executable(),
-                            *util._args_from_interpreter_flags(),
-                            "-c",
-                            cmd,
-                        ]
-                    )
+                    args = [
+                        spawn.get_executable(),
+                        *util._args_from_interpreter_flags(),
+                        "-c",
+                        cmd,
+                    ]
                     env = {**os.environ, **self.env}
                     # The server must import this very fiber_dask.
                     env["PYTHONPATH"] = childsetup.pythonpath_with_package(env)
@@ -253,13 +250,15 @@ class WorkerForkServer(forkserver.ForkServer):
                         if early is None
                         else (*early_fds[:2], early.tracker_fd, early.numpy)
                     )
-                    proc = subprocess.Popen(
-                        args,
-                        stdin=subprocess.PIPE,
-                        pass_fds=(listener.fileno(), alive_r, *early_fds),
-                        env=env,
-                        close_fds=True,
-                    )
+                    # Ctrl-C is not for the cluster, from the first instruction on.
+                    with interrupts.held_for_child():
+                        proc = subprocess.Popen(
+                            args,
+                            stdin=subprocess.PIPE,
+                            pass_fds=(listener.fileno(), alive_r, *early_fds),
+                            env=env,
+                            close_fds=True,
+                        )
                     if early is not None:
                         early.sent()
                     try:
@@ -332,7 +331,7 @@ def serve(listener_fd: int, alive_r: int) -> None:
     """
     from multiprocessing import process
 
-    interrupts.cluster_process()  # already, from the exec on
+    interrupts.cluster_process()  # held from the start on (interrupts.held_for_child)
     code = 0
     try:
         prep, preload, early = pickle.load(sys.stdin.buffer)

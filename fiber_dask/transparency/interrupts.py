@@ -10,7 +10,8 @@ ignores it.  So here:
 
 * **the cluster ignores it** (:func:`cluster_process`): the embedded cluster's
   Dask worker processes (:mod:`fiber_dask.backends.workerstart`, also the
-  process they are forked from, from its exec on: :func:`ignored_from_exec`)
+  process they are forked from, from its first instruction on:
+  :func:`held_for_child`)
   and the slot templates (:mod:`fiber_dask.engine.slotserver`).
   A Dask worker that took it closed itself and told its nanny to close too:
   the cluster was gone for good and the program's next map hung;
@@ -37,27 +38,36 @@ import signal
 import threading
 from typing import Iterator
 
-__all__ = ["cluster_process", "deferred", "ignored_from_exec", "program_process"]
+__all__ = ["cluster_process", "deferred", "held_for_child", "program_process"]
 
 
 
-def ignored_from_exec(argv: list[str]) -> list[str]:
-    """The command running ``argv`` with SIGINT ignored from its exec on.
+@contextlib.contextmanager
+def held_for_child() -> Iterator[None]:
+    """SIGINT blocked in this thread while it starts a cluster process.
 
-    An ignored signal stays ignored across ``exec``, and Python then installs
-    no KeyboardInterrupt handler: a Ctrl-C cannot end the interpreter while
-    it starts.  Ignoring it in the child's first line of code was too late:
-    ``site`` runs before it (with a ``.pth`` file importing certifi, ~0.1 s),
-    and a Ctrl-C there ended the worker fork server with "Fatal Python error:
-    init_import_site".  ``/bin/sh``'s ``trap '' INT`` is the ignore that
-    survives the exec (``subprocess`` offers none without ``preexec_fn``,
-    which is unsafe beside threads); its ``exec`` keeps the pid."""
-    return ["/bin/sh", "-c", "trap '' INT; exec \"$@\"", "sh", *argv]
+    The child inherits the blocked mask through ``fork`` and ``exec``
+    (``subprocess`` gives it the starting thread's mask), so a Ctrl-C is held
+    from its first instruction until :func:`cluster_process` ignores SIGINT,
+    which drops one held meanwhile, and unblocks it.  Ignoring it in the
+    child's first line of code was too late: ``site`` runs before it (with a
+    ``.pth`` file importing certifi, ~0.1 s), and a Ctrl-C there ended the
+    worker fork server with "Fatal Python error: init_import_site".  A
+    ``/bin/sh -c "trap '' INT; exec ..."`` in front still left the
+    millisecond before its ``trap`` ran.  A Ctrl-C for this process meanwhile
+    goes to one of its other threads, or waits for the block's end."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def cluster_process() -> None:
-    """This process is the cluster's: a terminal's Ctrl-C is not for it."""
+    """This process is the cluster's: a terminal's Ctrl-C is not for it.  One
+    held since it started (:func:`held_for_child`) is dropped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def program_process() -> None:
