@@ -409,3 +409,139 @@ def test_frame_reader_reassembles_any_split_of_any_frames():
     assert got == frames
     assert len(reader._buf) == channel._BUFFER
     receiver.close()
+
+
+# ------------------------------------------------- handshakes cut by the server
+
+
+class CuttingProxy:
+    """A TCP front for a real server that, for its first ``cuts``
+    connections, passes the server's challenge on, takes the client's answer
+    and closes both ends without a verdict: what a gate over its bound of
+    handshakes in progress from one host does.  Later connections are piped
+    through.  ``connections`` counts them all."""
+
+    def __init__(self, upstream: tuple, cuts: float) -> None:
+        self.upstream, self.cuts, self.connections = upstream, cuts, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()
+        self.open: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            server = socket.create_connection(self.upstream)
+            self.open += [client, server]
+            if self.connections <= self.cuts:
+                (n,) = struct.unpack("!i", _recv_exactly(server, 4))
+                client.sendall(struct.pack("!i", n) + _recv_exactly(server, n))
+                client.recv(4096)  # its answer, then nothing
+                server.close()
+                client.close()
+                continue
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.open:
+            s.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "closed early"
+        data += chunk
+    return data
+
+
+def _pipe(a: socket.socket, b: socket.socket) -> None:
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def test_a_handshake_cut_without_a_verdict_is_dialled_again(server):
+    s, got = server, server.got
+    proxy = CuttingProxy(s.address, cuts=3)
+    try:
+        conn = channel.connect(proxy.address, b"right-key", "echo", hello="h", timeout=10)
+        wait_until(lambda: got, 5, "the service to get the connection")
+        assert got[0][1] == "h"
+        assert proxy.connections == 4  # three cut, the fourth through
+        conn.close()
+    finally:
+        proxy.close()
+
+
+def test_a_wrong_authkey_is_not_dialled_again(server):
+    s = server
+    proxy = CuttingProxy(s.address, cuts=0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(multiprocessing.AuthenticationError, match="wrong authkey"):
+            channel.connect(proxy.address, b"wrong-key", "echo", timeout=10)
+        assert time.monotonic() - t0 < 2
+        assert proxy.connections == 1
+    finally:
+        proxy.close()
+
+
+def test_a_server_that_always_cuts_the_handshake_is_unreachable_in_time(server):
+    s = server
+    proxy = CuttingProxy(s.address, cuts=float("inf"))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(channel.Unreachable, match="cut the handshake .* overloaded"):
+            channel.connect(proxy.address, b"right-key", "echo", timeout=2)
+        assert time.monotonic() - t0 < 4
+        assert proxy.connections >= 3
+    finally:
+        proxy.close()
+
+
+def test_many_clients_of_one_host_past_a_crowded_gate_all_connect(monkeypatch):
+    """Hundreds of processes of one host connecting at once (a thousand pool
+    slots, each with its queues) overflow the gate's bound on handshakes in
+    progress from one address; those it drops dial again, quietly, and all
+    get in."""
+    monkeypatch.setattr(gate, "MAX_PER_PEER", 2)
+    monkeypatch.setattr(gate, "MIN_AGE", 0.0)
+    g = gate.get_gate()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    served: list = []
+    s.register("echo", lambda conn, hello: served.append(conn), inline=True)
+    evicted = g.stats["evicted-peer"]
+    errors: list = []
+    start = threading.Barrier(60)
+
+    def client() -> None:
+        start.wait()
+        try:
+            channel.connect(s.address, b"right-key", "echo", timeout=20).close()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(60)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        assert len(served) == 60
+        assert g.stats["evicted-peer"] > evicted  # some were dropped on the way
+    finally:
+        for conn in served:
+            conn.close()
+        s.close()

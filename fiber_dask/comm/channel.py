@@ -48,11 +48,13 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from .. import cluster
+from ..transparency import privaterandom
 from . import gate, security, tls
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ _NONCE = 32
 _CHALLENGE = b"#FIBER-CHALLENGE#"
 _WELCOME = b"#FIBER-WELCOME#"
 _FAILURE = b"#FIBER-FAILURE#"
+#: The first and the longest pause between redials of a cut handshake.
+_REDIAL_PAUSE = (0.05, 1.0)
 #: Seconds a client waits for each step of its handshake; a server's whole
 #: handshake is bounded by :data:`fiber_dask.comm.gate.HANDSHAKE_TIMEOUT`.
 HANDSHAKE_TIMEOUT = gate.HANDSHAKE_TIMEOUT
@@ -121,6 +125,11 @@ def _read_timeout(conn: Any, timeout: float | None) -> None:
         pass
 
 
+class _Cut(Exception):
+    """The server closed the connection during the handshake without saying
+    why (no verdict): :func:`connect` dials again."""
+
+
 def _client_handshake(
     conn: Connection,
     authkey: bytes,
@@ -141,7 +150,10 @@ def _client_handshake(
     plain metadata (a pid, a worker address, a slot number, the service
     name), which the server reads only once *we* have proved the key.
     """
-    message = _recv_small(conn, timeout)
+    try:
+        message = _recv_small(conn, timeout)
+    except (EOFError, ConnectionError) as e:
+        raise _Cut("before its challenge") from e
     if not message.startswith(_CHALLENGE):
         if tls.is_hello(message):
             raise tls.required_error("the fiber-dask endpoint")
@@ -151,17 +163,23 @@ def _client_handshake(
         conn.send_bytes(_digest(authkey, message[len(_CHALLENGE) :]))
         conn.send_bytes(_CHALLENGE + nonce)
         conn.send_bytes(pickle.dumps((service, hello)))
+    except ConnectionError:
+        # A server that rejects our digest sends its verdict and closes the
+        # connection at once, possibly while the rest of the burst is still
+        # on its way: the verdict is read all the same (what arrived before
+        # the reset stays readable).
+        pass
+    try:
         verdict = _recv_small(conn, timeout)
     except (EOFError, ConnectionError) as e:
-        # A server that rejects our digest closes the connection at once,
-        # possibly while the rest of the burst is still on its way: the send
-        # (or the read) then fails, instead of reading its verdict.
-        raise AuthenticationError(
-            "digest sent was rejected (wrong authkey?): the peer closed the "
-            f"connection during the handshake ({type(e).__name__})"
-        ) from None
-    if verdict != _WELCOME:
+        # Closed without a verdict: a gate over its bound of handshakes in
+        # progress from this host dropped us (many processes of one host
+        # connecting at once), or the server went away.
+        raise _Cut("after our answer, without a verdict") from e
+    if verdict == _FAILURE:
         raise AuthenticationError("digest sent was rejected (wrong authkey?)")
+    if verdict != _WELCOME:
+        raise AuthenticationError("peer did not speak the fiber-dask handshake")
     if not hmac.compare_digest(_recv_small(conn, timeout), _digest(authkey, nonce)):
         raise AuthenticationError("digest received was wrong (wrong authkey?)")
     if not conn.poll(timeout):
@@ -334,11 +352,18 @@ def connect(
     service: str,
     hello: Any = None,
     timeout: float | None = None,
+    *,
+    redial_for: float | None = None,
 ) -> Connection:
     """Connect to a :class:`ChannelServer`, authenticate, and open ``service``.
 
     ``timeout`` bounds the connection attempt and each handshake step; default
-    ``fiber.peer-timeout``.  Raises :class:`Unreachable` when the server
+    ``fiber.peer-timeout``.  A handshake the server cuts without a verdict (its
+    gate drops the oldest of too many handshakes in progress from one host, as
+    when hundreds of processes of one host connect at once) is dialled again,
+    after a jittered pause from 50 ms doubling up to 1 s, for up to
+    ``redial_for`` seconds (default ``timeout``); nothing is unpickled before
+    the server has proved the key, so a redial costs only time.  Raises :class:`Unreachable` when the server
     cannot be reached, :class:`ChannelError` (a ``ConnectionError``, the base
     of both) when it has no such service,
     ``multiprocessing.AuthenticationError`` when the authkeys differ, and
@@ -348,6 +373,27 @@ def connect(
     host, port = address
     if timeout is None:
         timeout = peer_timeout()
+    deadline = time.monotonic() + (timeout if redial_for is None else redial_for)
+    pause, cuts = _REDIAL_PAUSE[0], 0
+    while True:
+        try:
+            return _connect_once(host, port, authkey, service, hello, timeout)
+        except _Cut as e:
+            cuts += 1
+            if time.monotonic() + pause > deadline:
+                raise Unreachable(
+                    f"{host}:{port} cut the handshake {cuts} time(s), the last "
+                    f"{e}: it is overloaded (more processes of this host "
+                    "connecting at once than it takes), or not a fiber-dask "
+                    "endpoint"
+                ) from e.__cause__
+        time.sleep(pause * (0.5 + privaterandom.rng.random()))
+        pause = min(_REDIAL_PAUSE[1], pause * 2)
+
+
+def _connect_once(
+    host: str, port: int, authkey: bytes, service: str, hello: Any, timeout: float
+) -> Connection:
     conn = dial(
         host,
         port,
@@ -370,6 +416,9 @@ def connect(
             f"the handshake with {host}:{port} stalled for over {timeout:g} s "
             "(not a fiber-dask endpoint, or it is overloaded)"
         ) from e
+    except _Cut:
+        conn.close()
+        raise
     except BaseException as e:
         conn.close()
         err = tls.handshake_error(e, f"{host}:{port}")

@@ -54,19 +54,17 @@ import logging
 import os
 import queue
 import threading
-import time
 from typing import Any, Callable
 
 from ..comm import channel
-from ..transparency import privaterandom
 from . import poolprotocol as proto
 
 __all__ = ["Link", "attach", "connect_to_owner"]
 
 logger = logging.getLogger("fiber_dask.pool")
 
-#: Seconds a link keeps retrying a handshake the owner dropped (a crowded
-#: gate), with a jittered backoff from 50 ms up to 1 s between attempts.
+#: Seconds a link keeps dialling again when the owner cuts the handshake (a
+#: crowded gate: fiber_dask.comm.channel.connect redials).
 _REDIAL_FOR = 60.0
 
 #: Seconds the last loop to leave waits for the sender thread to send what
@@ -88,29 +86,23 @@ def connect_to_owner(
 
     A handshake cut by the owner's side (its gate drops the oldest of too
     many handshakes from one host, as when many workers start together) is
-    tried again, for up to ``_REDIAL_FOR`` seconds; nothing is unpickled
-    before the owner has authenticated, so a retry costs only time.
+    dialled again by :func:`fiber_dask.comm.channel.connect`, for up to
+    ``_REDIAL_FOR`` seconds.
     """
     hello = {"pid": os.getpid(), "worker": worker}
-    deadline = time.monotonic() + _REDIAL_FOR
-    pause = 0.05
-    while True:
-        try:
-            return channel.connect(address, authkey, service, hello=hello)
-        except channel.Unreachable as e:
-            # Not "no-pool": the pool counts this as a failed loop, so that it
-            # fails with an error naming the address instead of starting loops
-            # that cannot connect forever.
-            return f"{proto.Reason.UNREACHABLE}: {e}"
-        except channel.ChannelError:  # the pool is gone (closed): nothing to do
-            return proto.Reason.NO_POOL
-        except (ConnectionResetError, BrokenPipeError, EOFError) as e:
-            # Accepted, then cut during the handshake: a crowded gate.
-            if time.monotonic() > deadline:
-                why = f"the owner kept cutting the handshake ({e!r})"
-                return f"{proto.Reason.UNREACHABLE}: {why}"
-        time.sleep(pause * (0.5 + privaterandom.rng.random()))
-        pause = min(1.0, pause * 2)
+    try:
+        return channel.connect(
+            address, authkey, service, hello=hello, redial_for=_REDIAL_FOR
+        )
+    except channel.Unreachable as e:
+        # Not "no-pool": the pool counts this as a failed loop, so that it
+        # fails with an error naming the address instead of starting loops
+        # that cannot connect forever.
+        return f"{proto.Reason.UNREACHABLE}: {e}"
+    except channel.ChannelError:  # the pool is gone (closed): nothing to do
+        return proto.Reason.NO_POOL
+    except (ConnectionError, EOFError) as e:  # cut after the handshake
+        return f"{proto.Reason.UNREACHABLE}: the owner closed the connection ({e!r})"
 
 
 class Link:

@@ -20,7 +20,7 @@ What this module does
 ---------------------
 * :data:`rng` is fiber-dask's own generator (a ``random.Random`` seeded from
   ``os.urandom``, reseeded in a forked child as the global one is), for its
-  own jitter and choices (a pool link's redial backoff, the worker a waiting
+  own jitter and choices (a channel's redial backoff, the worker a waiting
   ``Process`` is started beside).
 * :func:`isolate_dask` rebinds, in each module of :data:`DASK_DRAWERS`, every
   module global that is the stdlib's ``random`` module (``import random``) or a
