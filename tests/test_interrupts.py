@@ -105,10 +105,11 @@ if __name__ == "__main__":
 """
 
 
-def _interrupt(tmp_path, program, module, marks_wanted):
+def _interrupt(tmp_path, program, module, marks_wanted, group=True):
     """Run ``program`` for ``module`` as a terminal would, SIGINT its process
-    group once ``marks_wanted`` tasks marked themselves started; (stdout,
-    stderr) once it exits."""
+    group (``group=False``: the program's process alone) once
+    ``marks_wanted`` tasks marked themselves started; (stdout, stderr) once
+    it exits."""
     marks = tmp_path / f"marks-{module}"
     marks.mkdir()
     script = tmp_path / f"prog_{module}.py"
@@ -128,7 +129,7 @@ def _interrupt(tmp_path, program, module, marks_wanted):
             what=f"{marks_wanted} tasks of the {module} program to start",
         )
         assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
+        (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
@@ -170,6 +171,24 @@ def test_ctrl_c_during_a_map_is_the_stdlibs_and_the_cluster_survives(tmp_path):
     assert fiber_err.count("Process SpawnPoolWorker-") == 2, fiber_err
     for machinery in ("fiber_dask/", "distributed/", "nanny", "asyncio"):
         assert machinery not in fiber_err, fiber_err
+
+
+def test_an_interrupted_map_ends_the_slots_that_the_interrupt_did_not_reach(
+    tmp_path,
+):
+    # SIGINT to the program alone: its slots run on (as slots on other hosts
+    # do, or loops that took an interrupted slot's chunk again before the
+    # map was cancelled: a Jupyter cell's next map waited behind them).  The
+    # cancelled map ends them, and the next map runs at once, on new slots.
+    out, err = _interrupt(tmp_path, POOL_PROGRAM, "fiber_dask", 2, group=False)
+    report = json.loads(out.splitlines()[-1])
+    squares = [x * x for x in range(100)]
+    assert report["interrupted"] is True
+    assert report["old_pool"] == squares and report["new_pool"] == squares
+    assert len(report["ran_slow"]) == 2, report["ran_slow"]  # none re-run
+    ended = {int(name.split("-")[0]) for name in report["ran_slow"]}
+    assert ended.isdisjoint(report["old_slots"]), report
+    assert set(report["workers_before"]) <= set(report["workers_after"]), report
 
 
 def test_ctrl_c_reaches_a_process_child_as_the_stdlibs(tmp_path):

@@ -108,6 +108,10 @@ _STOP_GRACE = 10.0  # seconds join() waits for loops to hang up after STOP
 _TERMINATE_WAIT = TERMINATE_GRACE + 3.0
 #: Seconds all pools together get to stop at interpreter exit.
 _EXIT_WAIT = 3.0
+#: Seconds after a cancel (an interrupted blocking call) before the slot
+#: processes still running its chunks are ended: those the terminal's Ctrl-C
+#: reached end by themselves first, printing what the stdlib's workers print.
+CANCEL_GRACE = 1.0
 
 _live: weakref.WeakSet = weakref.WeakSet()  # engines with loops, for exit
 
@@ -621,10 +625,54 @@ class PoolEngine:
     def cancel(self, job, exc: BaseException) -> None:
         """Nobody will take ``job``'s result (its blocking caller was
         interrupted): finish it with ``exc`` now, so that no more of its
-        chunks are sent, nor re-run when their loop is lost; chunks running
-        finish where they run, and their results are dropped."""
-        if not job._finished:
-            job._fail(exc)
+        chunks are sent, nor re-run when their loop is lost.
+
+        A slot process still running one of its chunks :data:`CANCEL_GRACE`
+        seconds later is ended (``Expire``: its template forks a successor
+        at once, what else it held goes to the others uncounted), as a
+        terminal's Ctrl-C ends the stdlib's pool workers.  Those in the
+        terminal's process group took that Ctrl-C themselves meanwhile (and
+        printed their KeyboardInterrupt, as the stdlib's do); these are the
+        others: slots on other hosts, and the loops that took an interrupted
+        slot's chunk again before this cancel (a Jupyter cell's next map
+        waited behind them for the whole task).  A thread slot cannot be
+        ended: its chunk runs on and its result is dropped.  Chunks of the
+        job queued behind another at a loop run and are dropped too."""
+        if job._finished:
+            return
+        job._fail(exc)
+        if self._slot_kind != "process":
+            return
+        timer = threading.Timer(CANCEL_GRACE, self._end_cancelled, args=(job,))
+        timer.daemon = True
+        timer.name = "fiber-pool-cancel"
+        timer.start()
+
+    def _end_cancelled(self, job) -> None:
+        """:meth:`cancel`'s second half: end the slot processes that still
+        run a chunk of the cancelled ``job``."""
+        ended = []
+        with self._lock:
+            if self.state == TERMINATE or self._released:
+                return
+            for peer in list(self._peers.values()):
+                if peer.expired or peer.broken or peer.draining is not None:
+                    continue
+                ckey, chunk = next(iter(peer.inflight.items()), (None, None))
+                if chunk is None or chunk.job is not job:
+                    continue  # idle, or what it runs is another job's
+                peer.expired = peer.retiring = True
+                self._loops.recycled.add(peer.loop)  # replaced, not failed
+                self._file(peer)
+                peer.link.send([(peer.route, proto.Expire(ckey, 0))])
+                ended.append(peer.pid)
+        if ended:
+            logger.info(
+                "fiber-dask: an interrupted call's tasks were still running in "
+                "slot process(es) %s; ending them (new ones take their place)",
+                ", ".join(map(str, ended)),
+            )
+            self._wake()
 
     def abandon(self) -> None:
         """The pool object was dropped while running: let it go without

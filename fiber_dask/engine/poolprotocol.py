@@ -18,8 +18,9 @@ owner → loop::
                             run these chunks, in order (``payload``: the
                             pickled list of a chunk's items; ``limits``:
                             ``(soft, hard)`` seconds per item, or None)
-    Expire(ckey, offset)    that item passed its hard time limit: the slot
-                            process ends itself (SIGKILL), see timelimits
+    Expire(ckey, offset)    that item passed its hard time limit, or its
+                            job was cancelled: the slot process ends
+                            itself (SIGKILL), see timelimits
     STOP                    stop after the queued work
     TERMINATE               stop now, interrupting the task
     DRAIN                   the loop's Dask worker is closing: finish the
@@ -424,8 +425,10 @@ class Running:
 
 class Expire:
     """Owner → loop: item ``offset`` of chunk ``ckey`` ran past its hard
-    time limit; the owner failed it.  The slot process ends itself at once
-    (whatever it runs by then: the owner re-runs what it still held)."""
+    time limit, and the owner failed it; or the job of chunk ``ckey`` was
+    cancelled (its blocking caller interrupted: ``PoolEngine.cancel``).  The
+    slot process ends itself at once (whatever it runs by then: the owner
+    re-runs what it still held)."""
 
     __slots__ = ("ckey", "offset")
     tag = "X"
