@@ -419,6 +419,8 @@ class PoolEngine:
         self._lock = threading.RLock()
         self._jobs: collections.deque = collections.deque()  # jobs with chunks to make
         self._retry: collections.deque = collections.deque()  # chunks to send first
+        #: (when, chunks): chunks of interrupted slots, held a moment (_peer_lost).
+        self._held: collections.deque = collections.deque()
         #: (chunk, error) of chunks that could not be pickled, for the result
         #: thread to settle (see _add_call).
         self._unsendable: collections.deque = collections.deque()
@@ -1034,6 +1036,8 @@ class PoolEngine:
         timeout = 0.5
         if self._deadlines:  # wake for the next hard time limit
             timeout = min(timeout, max(0.0, self._deadlines[0][0] - time.monotonic()))
+        if self._held:  # and for chunks held after a Ctrl-C
+            timeout = min(timeout, max(0.0, self._held[0][0] - time.monotonic()))
         try:
             ready = self._sel.select(timeout=timeout)
         except (OSError, ValueError):  # closed by _release
@@ -1095,6 +1099,8 @@ class PoolEngine:
             self._peer_lost(peer)
         for link in dropped:
             self._link_lost(link)
+        if self._held and self._held[0][0] <= time.monotonic():
+            self._release_held()
         self._take_connections()
         self._drain.tick()
         if self._early is None or self._early.take_cluster():
@@ -1104,6 +1110,17 @@ class PoolEngine:
                 if not chunk.job._finished:
                     self._settle(chunk, False, self._item_error(chunk, peer, death))
         return True
+
+    def _release_held(self) -> None:
+        """Chunks held after a Ctrl-C (:meth:`_peer_lost`) whose wait is
+        over run again, but those of jobs cancelled meanwhile."""
+        now = time.monotonic()
+        with self._lock:
+            while self._held and self._held[0][0] <= now:
+                _, chunks = self._held.popleft()
+                live = [c for c in chunks if not c.job._finished]
+                self._retry.extendleft(reversed(live))
+            self._dispatch()
 
     def _should_continue(self) -> bool:
         if self.state == TERMINATE:
@@ -1338,7 +1355,14 @@ class PoolEngine:
             if peer.draining is not None:  # its worker closes: not a loss
                 rerun = self._drain.left(peer, ran, never)
             self._stats.rerun(rerun, len(failed))
-            self._retry.extendleft(reversed(back))
+            if peer.interrupted and back:
+                # A Ctrl-C: the program's main thread most likely takes it
+                # too, and its blocking call cancels the job moments later
+                # (cancel): its chunks wait that long before they run again,
+                # so that none does (the stdlib never runs them again).
+                self._held.append((time.monotonic() + CANCEL_GRACE, back))
+            else:
+                self._retry.extendleft(reversed(back))
             if back and peer.draining is None:
                 logger.log(
                     logging.INFO if peer.interrupted else logging.WARNING,
