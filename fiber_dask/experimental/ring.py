@@ -33,8 +33,11 @@ already there when its sentinel fires: the cause of a failure is never lost to
 a race with the exit.  All members report on one pipe, so the parent reads
 their reports in the order they were sent: a member that raised comes before
 the neighbours that failed because of it.  The port is picked by binding
-port 0 on the member's own address and releasing it, as torch's launchers do;
-the collective binds it again a moment later.
+port 0 on the member's own address, as torch's launchers do, and held bound
+(:class:`~fiber_dask.comm.ports.PortReservation`) while the member waits for
+the others to join, which may take seconds: it is released just before the
+initializer runs, which binds it again a moment later (torch's launchers
+release it at once).
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing.pool import RemoteTraceback
 from typing import Any, Callable, NamedTuple
 
+from ..comm.ports import PortReservation
 from ..errors import RemoteTaskError, RingError
 
 __all__ = ["Ring", "RingNode"]
@@ -77,8 +80,8 @@ class RingNode:
         The member's address, reachable from the other members' hosts (its
         Dask worker's host, or ``fiber.listen-host``).
     port : int
-        A port that was free on the member's host when it joined, for its
-        collective to listen on.
+        A port free on the member's host, held for it from when it joined
+        until its initializer runs, for its collective to listen on.
     connected : bool
         True once the member has joined (always, in ``ring.members``); kept
         from Fiber, whose members filled in their address one by one.
@@ -597,11 +600,14 @@ def _member(ring: Ring, rank: int, down: Any, conn: Any) -> None:
     from .. import cluster
 
     ip = cluster.listen_host()  # its worker's host, set by the launcher
-    conn.send(_Ready(rank, ip, _free_port(ip), os.getpid()))
+    port = PortReservation(ip)  # held while the others join
+    conn.send(_Ready(rank, ip, port.port, os.getpid()))
     try:
         formed = down.recv()
     except EOFError:
         return  # the ring was stopped before it formed
+    finally:
+        port.release()  # for the collective the initializer sets up
     down.close()
     ring.rank = rank
     ring.members = [RingNode(*node) for node in formed.members]
@@ -639,11 +645,3 @@ def _failure(rank: int, exc: BaseException) -> _Failed:
     if module not in ("builtins", "__main__"):
         name = f"{module}.{name}"
     return _Failed(rank, blob, name, str(exc), traceback.format_exc())
-
-
-def _free_port(ip: str) -> int:
-    """A port free on this host's ``ip`` now (bound to 0, then released)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
