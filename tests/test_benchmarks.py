@@ -179,3 +179,19 @@ def test_no_pool_bound_keeps_order_and_raises_a_task_error():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["raised", "closed"], proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_slotmemory_benchmark_measures_the_monitor_thread():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "slotmemory.py")]
+        + ["--slots", "4", "--seconds", "0.5", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    [row] = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 4 |")]
+    share = float(row.split("|")[3])
+    assert 0.0 <= share < 100.0, row
