@@ -336,6 +336,9 @@ def test_scancel_of_a_worker_job_costs_a_rerun_and_gets_a_replacement(
     assert replacements, after
     assert len(after) == 2 and all(j["state"] == "RUNNING" for j in after), after
     assert job not in {j["id"] for j in after}
+    # a job cancelled under its workers is said to be (a lifetime's end is not)
+    err = (prog.dir / "err").read_text()
+    assert f"job {job} " in err and "ended while its workers were in use" in err, err
     prog.assert_no_job_left()
 
 
@@ -422,6 +425,9 @@ def test_worker_lifetime_before_the_walltime_drains_the_pool_into_new_jobs(
         counts[kind][int(x)] = counts[kind].get(int(x), 0) + 1
     assert counts["start"] == {x: 1 for x in range(items)}, counts
     assert counts["finish"] == {x: 1 for x in range(items)}, counts
+    # jobs that end at their workers' planned lifetime are replaced quietly
+    err = (prog.dir / "err").read_text()
+    assert "ended while its workers were in use" not in err, err[-4000:]
     prog.assert_no_job_left()
 
 

@@ -63,6 +63,12 @@ each with what it is used for and what breaks if upstream changes it:
 The message of ``Job._call``'s ``RuntimeError`` (dask-jobqueue)
     The batch system's words follow ``"stderr:"``.  Changed: a refusal quotes
     dask-jobqueue's whole message (command, exit code, stdout) instead.
+The scheduler's ``remove-worker`` event and its ``expected`` field (distributed)
+    Read through ``scheduler_comm.events(topic=worker)``: a worker that said it
+    was closing (its ``--lifetime``, a retirement) before its job ended makes
+    the replacement an INFO line, not a warning.  Changed: every job that ends
+    at its workers' lifetime is reported as ended "while its workers were in
+    use".
 
 Besides these, ``worker_spec``, ``workers``, ``new_worker_spec()``,
 ``scheduler_info``, ``status`` and ``sync()`` of the cluster are used as
@@ -173,6 +179,22 @@ class ReplacesEndedJobs:
                 self._fiber_grace, self._fiber_check_soon, job, 0.0
             )
 
+    async def _fiber_planned(self, job_id: str | None) -> bool:
+        """Whether every worker of batch job ``job_id`` that the scheduler
+        removed had closed on purpose (``remove-worker`` event ``expected``):
+        the job then ended as planned, not under its workers."""
+        removed = self.__dict__.get("_fiber_removed", {})
+        addresses = [a for a, j in removed.items() if j == job_id]
+        if job_id is None or not addresses:
+            return False
+        try:
+            for address in addresses:
+                if not await _planned_removal(self, address):
+                    return False
+        except Exception:  # noqa: BLE001 - no word from the scheduler: not planned
+            return False
+        return True
+
     def _fiber_job_of(self, worker_name: Any) -> str | None:
         for job, spec in self.worker_spec.items():
             if worker_name == job or any(
@@ -224,13 +246,24 @@ class ReplacesEndedJobs:
                     return
         if self.status != Status.running or job not in self.worker_spec:
             return
-        logger.warning(
-            "fiber-dask: the %s job %s (%s) ended while its workers were in use; "
-            "submitting a replacement",
-            batch.name,
-            job_id,
-            job,
-        )
+        if await self._fiber_planned(job_id):
+            # Its workers closed first, gracefully: their lifetime
+            # (``--lifetime``, set below the walltime) or a retirement.
+            logger.info(
+                "fiber-dask: the %s job %s (%s) ended after its workers closed "
+                "(their lifetime); submitting a replacement",
+                batch.name,
+                job_id,
+                job,
+            )
+        else:
+            logger.warning(
+                "fiber-dask: the %s job %s (%s) ended while its workers were in "
+                "use; submitting a replacement",
+                batch.name,
+                job_id,
+                job,
+            )
         # A new name (made while the old one is still taken): distributed's own
         # lost-worker timer for the old name must not close the replacement.
         self.worker_spec.update(self.new_worker_spec())
@@ -243,6 +276,16 @@ class ReplacesEndedJobs:
                 pass
             del process
         await self._correct_state()
+
+
+async def _planned_removal(cluster: Any, address: str) -> bool:
+    """Whether the scheduler, removing the worker at ``address``, expected it
+    (the worker had said it was closing: its lifetime, a retirement)."""
+    events = await asyncio.wait_for(cluster.scheduler_comm.events(topic=address), 5)
+    for _, msg in reversed(list(events or ())):
+        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+            return bool(msg.get("expected"))
+    return False
 
 
 def slots(cluster: Any) -> tuple[int, int]:
