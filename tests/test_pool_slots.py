@@ -69,6 +69,40 @@ def alarm_timeout(seconds):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def alarm_in_sleep(seconds):
+    """An alarm while the task is blocked in C (one long sleep): seconds until
+    the handler raised."""
+    signal.signal(signal.SIGALRM, _raise_alarm)
+    t0 = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        time.sleep(30)
+        return None
+    except _Alarm:
+        return time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def helper_threads_signal_masks(_=None):
+    """{thread name: whether it blocks SIGINT, SIGTERM and SIGALRM} for every
+    thread of this process but the main one."""
+    wanted = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f)
+        except OSError:
+            continue  # ended meanwhile
+        blocked = int(status["SigBlk"], 16)
+        masks[names.get(int(tid), tid)] = all(blocked & (1 << (s - 1)) for s in wanted)
+    return masks
+
+
 def in_main_thread(_=None):
     return threading.current_thread() is threading.main_thread()
 
@@ -185,6 +219,24 @@ def test_alarm_timeout_inside_a_task(ctx):
     with ctx.Pool(1) as pool:
         assert pool.apply(alarm_timeout, (0.05,)) == "timed out"
         assert pool.apply(in_main_thread) is True  # the pool goes on
+
+
+def test_an_alarm_interrupts_a_task_blocked_in_c(ctx):
+    with ctx.Pool(1) as pool:
+        for _ in range(5):
+            took = pool.apply(alarm_in_sleep, (0.05,))
+            assert took is not None and took < 5, took
+
+
+def test_the_slots_helper_threads_leave_signals_to_the_main_thread(fiber_ctx):
+    # A signal sent to the process goes to any thread that does not block it:
+    # the slot's link and time-limit threads block those a task handles, so
+    # they reach the task's (main) thread, as in a stdlib pool worker, which
+    # has no other thread.
+    with fiber_ctx.Pool(1, soft_time_limit=50, time_limit=60) as pool:
+        masks = pool.apply(helper_threads_signal_masks)
+    assert "fiber-pool-link" in masks and "fiber-time-limits" in masks, masks
+    assert all(masks.values()), masks
 
 
 def test_tasks_run_in_the_main_thread(ctx):

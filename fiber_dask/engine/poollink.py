@@ -57,6 +57,7 @@ import threading
 from typing import Any, Callable
 
 from ..comm import channel
+from ..transparency import interrupts
 from . import poolprotocol as proto
 
 __all__ = ["Link", "attach", "connect_to_owner"]
@@ -218,7 +219,7 @@ class Link:
             )
             self._users += 1
             try:
-                sender.start()
+                interrupts.start_helper(sender)
             except Exception as e:  # RuntimeError: can't start new thread
                 self._users -= 1
                 self._no_sender = True
@@ -257,9 +258,11 @@ class Link:
     def _open(self, conn: Any) -> None:
         self.conn = conn
         try:
-            threading.Thread(
-                target=self._receive, name="fiber-pool-link", daemon=True
-            ).start()
+            interrupts.start_helper(
+                threading.Thread(
+                    target=self._receive, name="fiber-pool-link", daemon=True
+                )
+            )
         except Exception as e:  # RuntimeError: can't start new thread
             # Nobody would hear the owner: the dial fails, for the loops
             # waiting for it too, counted as failed loops by the pool.

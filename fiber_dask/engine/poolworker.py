@@ -37,6 +37,7 @@ from typing import Any
 
 from ..errors import SoftTimeLimitExceeded
 from ..launch.mainglobals import MainNamespace
+from ..transparency import interrupts
 from . import poollink, timelimits
 from . import poolprotocol as proto
 
@@ -124,7 +125,7 @@ class _Loop:
                 if self.kill_after is not None:
                     t = threading.Timer(self.kill_after, self._kill_if_stuck)
                     t.daemon = True
-                    t.start()
+                    interrupts.start_helper(t)
         self.inbox.put(None)
 
     def _kill_if_stuck(self) -> None:

@@ -62,6 +62,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import SoftTimeLimitExceeded
+from ..transparency import interrupts
 
 __all__ = [
     "SOFT_SIGNAL",
@@ -211,7 +212,7 @@ class _Watcher:
                 self._thread = threading.Thread(
                     target=self._run, name="fiber-time-limits", daemon=True
                 )
-                self._thread.start()
+                interrupts.start_helper(self._thread)
             elif self._heap[0][2] is limiter and self._heap[0][3] == token:
                 self._cond.notify()
 

@@ -38,7 +38,28 @@ import signal
 import threading
 from typing import Iterator
 
-__all__ = ["cluster_process", "deferred", "held_for_child", "program_process"]
+__all__ = [
+    "cluster_process",
+    "deferred",
+    "held_for_child",
+    "program_process",
+    "start_helper",
+]
+
+#: The signals a program's code handles in its main thread (a task's alarm,
+#: a terminal's Ctrl-C, ``terminate_workers()``'s SIGTERM, a user's handler).
+#: Sent to the process, the kernel hands each to any thread that does not
+#: block it: the helper threads of a process that runs the program's code
+#: block them (:func:`start_helper`), so they reach the main thread, as in
+#: the stdlib's pool workers, which have no other thread.
+MAIN_THREAD_SIGNALS = frozenset(
+    getattr(signal, name)
+    for name in (
+        "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM",
+        "SIGPROF", "SIGUSR1", "SIGUSR2", "SIGCHLD",
+    )  # fmt: skip
+    if hasattr(signal, name)
+)
 
 
 
@@ -59,6 +80,25 @@ def held_for_child() -> Iterator[None]:
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def start_helper(thread: threading.Thread) -> None:
+    """Start ``thread``, a helper of a process that runs the program's code
+    (a slot's link to its pool's owner, its time-limit watcher), with
+    :data:`MAIN_THREAD_SIGNALS` blocked in it from its first instruction (a
+    new thread takes its starter's mask): a signal sent to the process then
+    goes to the main thread, which runs the task and its handlers.  Handed
+    to a helper, it waited for the main thread's next bytecode, and a task
+    blocked in C (``sleep``, I/O) saw its alarm or SIGTERM only when that
+    call returned."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        thread.start()
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+    try:
+        thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
