@@ -155,6 +155,20 @@ def test_interrupt_raises_keyboardinterrupt_in_the_child(Proc, tmp_path, capfd):
 
 
 @pytest.mark.timeout(60)
+def test_fiber_child_helper_threads_leave_signals_to_the_main_thread(tmp_path):
+    """The child's watchdog thread blocks the signals its target handles, so
+    a signal sent to the child (``interrupt()``, a user's SIGUSR1) reaches
+    the main thread running the target, as in a stdlib child."""
+    path = tmp_path / "masks.json"
+    p = Process(target=hp.helper_thread_masks, args=(str(path),))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    masks = json.loads(path.read_text())
+    assert "fiber-watchdog" in masks and all(masks.values()), masks
+
+
+@pytest.mark.timeout(60)
 def test_fiber_interrupt_while_the_child_starts_is_not_lost(tmp_path):
     """A SIGINT that reaches the child before its target runs (its worker
     ignores SIGINT) is held and acted on: the child ends, it does not spin on."""

@@ -113,9 +113,15 @@ def main(held: list | None = None) -> int:
     (size,) = struct.unpack("!Q", _read_exact(fd, 8))
     blob = _read_exact(fd, size)
     sentinel_r, sentinel_w = os.pipe()
-    threading.Thread(
-        target=_watchdog, args=(fd, sentinel_w), name="fiber-watchdog", daemon=True
-    ).start()
+    from fiber_dask.transparency import interrupts
+
+    # Signals for the target (Process.interrupt()'s SIGINT, a user's
+    # handler) go to the main thread, which runs it.
+    interrupts.start_helper(
+        threading.Thread(
+            target=_watchdog, args=(fd, sentinel_w), name="fiber-watchdog", daemon=True
+        )
+    )
     # Output goes through pipes to the launcher: keep it flowing line by line.
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -169,7 +175,6 @@ def main(held: list | None = None) -> int:
     proc.__dict__.update(state)
     proc._config = config
     proc._popen = None
-    from fiber_dask.transparency import interrupts
 
     # As a stdlib child (its worker process may ignore SIGINT).
     interrupts.program_process()

@@ -120,3 +120,26 @@ def hold_lock(lock, started, release):
 def ask_holder(lock, queue):
     """Put who holds ``lock`` (asked from this process) on ``queue``."""
     queue.put(lock.holder())
+
+
+def helper_thread_masks(path):
+    """Write {thread name: whether it blocks SIGINT, SIGTERM and SIGALRM} for
+    every thread of this process but the main one, as JSON to ``path``."""
+    import signal
+    import threading
+
+    wanted = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f)
+        except OSError:
+            continue
+        blocked = int(status["SigBlk"], 16)
+        masks[names.get(int(tid), tid)] = all(blocked & (1 << (s - 1)) for s in wanted)
+    with open(path, "w") as f:
+        json.dump(masks, f)
