@@ -62,11 +62,7 @@ def cluster(net):
         ips = [f"{net.subnet}.{n}" for n in range(1, 255)]
         tls = make_tls_files(net.workdir / "tls", ips)
     dask_cluster = DaskCluster(net, sched, tls=tls)
-    for i, name in enumerate(WORKERS):
-        host = net.add_host(name, number=11 + i)
-        dask_cluster.add_worker(host, resources={name: 100}, wait=False)
-    for name in WORKERS:
-        dask_cluster.wait_worker(net.hosts[name])
+    dask_cluster.add_worker_hosts(WORKERS, lambda name: {name: 100})
     return dask_cluster
 
 

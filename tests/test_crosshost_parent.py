@@ -25,11 +25,7 @@ pytestmark = [
 def hosts(tmp_path_factory):
     with Network(tmp_path_factory.mktemp("crosshost-parent")) as net:
         cluster = DaskCluster(net, net.add_host("sched", number=1))
-        for i, name in enumerate(("w1", "w2")):
-            host = net.add_host(name, number=11 + i)
-            cluster.add_worker(host, resources={name: 100}, wait=False)
-        for name in ("w1", "w2"):
-            cluster.wait_worker(net.hosts[name])
+        cluster.add_worker_hosts(("w1", "w2"), lambda name: {name: 100})
         yield net, cluster, net.add_host("client", number=100)
 
 

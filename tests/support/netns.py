@@ -69,7 +69,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from support import semaphores
 
@@ -625,6 +625,21 @@ class DaskCluster:
         if wait:
             self.wait_worker(host, timeout)
         return proc
+
+    def add_worker_hosts(
+        self, names: list[str] | tuple[str, ...], resources: Callable[[str], dict]
+    ) -> list[Host]:
+        """A host for each of ``names`` (addresses .11, .12, ...), each with a
+        ``dask worker`` holding ``resources(name)``, all started at once;
+        returns them once every worker has registered."""
+        hosts = []
+        for i, name in enumerate(names):
+            host = self.net.add_host(name, number=11 + i)
+            self.add_worker(host, resources=resources(name), wait=False)
+            hosts.append(host)
+        for host in hosts:
+            self.wait_worker(host)
+        return hosts
 
     def wait_worker(self, host: Host, timeout: float = 60) -> None:
         """Until the worker on ``host`` has registered with the scheduler."""
