@@ -545,3 +545,27 @@ def test_many_clients_of_one_host_past_a_crowded_gate_all_connect(monkeypatch):
         for conn in served:
             conn.close()
         s.close()
+
+
+def test_a_peer_gone_mid_handshake_is_counted_not_warned_of(caplog):
+    """A process killed while it connects (slot processes at their program's
+    exit) closes or resets its half-done handshake: the gate counts it and
+    says nothing on stderr, where junk and wrong keys are warned of."""
+    g = gate.get_gate()
+    g._log._windows.clear()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    caplog.set_level(logging.WARNING, logger="fiber_dask.comm.gate")
+    try:
+        gone = g.stats["gone"]
+        closed = socket.create_connection(s.address)
+        _read_challenge(closed)
+        closed.close()  # end of file
+        reset = socket.create_connection(s.address)
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        _read_challenge(reset)
+        reset.close()  # RST
+        wait_until(lambda: g.stats["gone"] >= gone + 2, 5, "both to be counted")
+        assert not [r for r in caplog.records if "127.0.0.1" in r.getMessage()]
+    finally:
+        s.close()
+        g._log._windows.clear()

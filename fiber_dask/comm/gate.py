@@ -435,7 +435,7 @@ class Gate:
         except Refused as e:
             self._close(p, str(e))
         except Exception as e:
-            self._reject(p, _why(e))
+            self._failed(p, e)
 
     # ------------------------------------------------------------ one connection
 
@@ -478,7 +478,7 @@ class Gate:
         except Refused as e:
             self._close(p, str(e))
         except Exception as e:
-            self._reject(p, _why(e))
+            self._failed(p, e)
 
     def _tls_handshake(self, p: _Pending) -> None:
         import ssl
@@ -642,6 +642,19 @@ class Gate:
         self.stats["rejected"] += 1
         self._log.note(p.peer, reason)
         self._close(p)
+
+    def _failed(self, p: _Pending, e: Exception) -> None:
+        """The handshake with ``p`` raised ``e``: a rejection, logged (junk,
+        a wrong key, TLS refused); but a peer that went away in the middle
+        (end of file, reset: a process killed while it connected, as slot
+        processes are when their program exits) is counted and left to the
+        debug log, as any connection that closes is."""
+        if isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
+            self.stats["rejected"] += 1
+            self.stats["gone"] += 1
+            self._close(p, _why(e))
+            return
+        self._reject(p, _why(e))
 
     def _hand_over(self, p: _Pending, result: Any) -> None:
         """Authenticated: the connection leaves the gate for its service."""
