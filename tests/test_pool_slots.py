@@ -26,6 +26,7 @@ from distributed import Client
 from support.clusters import loopback_cluster
 from support.processes import running
 from support.wait import wait_for_file, wait_until
+from tasks import process as hp
 
 import fiber_dask
 from fiber_dask.comm import channel
@@ -82,25 +83,6 @@ def alarm_in_sleep(seconds):
         return time.monotonic() - t0
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def helper_threads_signal_masks(_=None):
-    """{thread name: whether it blocks SIGINT, SIGTERM and SIGALRM} for every
-    thread of this process but the main one."""
-    wanted = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                status = dict(line.split(":", 1) for line in f)
-        except OSError:
-            continue  # ended meanwhile
-        blocked = int(status["SigBlk"], 16)
-        masks[names.get(int(tid), tid)] = all(blocked & (1 << (s - 1)) for s in wanted)
-    return masks
 
 
 def in_main_thread(_=None):
@@ -234,7 +216,7 @@ def test_the_slots_helper_threads_leave_signals_to_the_main_thread(fiber_ctx):
     # they reach the task's (main) thread, as in a stdlib pool worker, which
     # has no other thread.
     with fiber_ctx.Pool(1, soft_time_limit=50, time_limit=60) as pool:
-        masks = pool.apply(helper_threads_signal_masks)
+        masks = pool.apply(hp.helper_thread_masks)
     assert "fiber-pool-link" in masks and "fiber-time-limits" in masks, masks
     assert all(masks.values()), masks
 

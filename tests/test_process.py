@@ -160,7 +160,7 @@ def test_fiber_child_helper_threads_leave_signals_to_the_main_thread(tmp_path):
     a signal sent to the child (``interrupt()``, a user's SIGUSR1) reaches
     the main thread running the target, as in a stdlib child."""
     path = tmp_path / "masks.json"
-    p = Process(target=hp.helper_thread_masks, args=(str(path),))
+    p = Process(target=hp.write_helper_thread_masks, args=(str(path),))
     p.start()
     p.join(30)
     assert p.exitcode == 0

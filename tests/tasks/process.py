@@ -122,9 +122,9 @@ def ask_holder(lock, queue):
     queue.put(lock.holder())
 
 
-def helper_thread_masks(path):
-    """Write {thread name: whether it blocks SIGINT, SIGTERM and SIGALRM} for
-    every thread of this process but the main one, as JSON to ``path``."""
+def helper_thread_masks(_=None):
+    """{thread name: whether it blocks SIGINT, SIGTERM and SIGALRM} for every
+    thread of this process but the main one (a pool task or a Process)."""
     import signal
     import threading
 
@@ -138,8 +138,13 @@ def helper_thread_masks(path):
             with open(f"/proc/self/task/{tid}/status") as f:
                 status = dict(line.split(":", 1) for line in f)
         except OSError:
-            continue
+            continue  # ended meanwhile
         blocked = int(status["SigBlk"], 16)
         masks[names.get(int(tid), tid)] = all(blocked & (1 << (s - 1)) for s in wanted)
+    return masks
+
+
+def write_helper_thread_masks(path):
+    """:func:`helper_thread_masks`, as JSON to ``path`` (a Process target)."""
     with open(path, "w") as f:
-        json.dump(masks, f)
+        json.dump(helper_thread_masks(), f)
