@@ -876,3 +876,65 @@ def test_scancel_under_a_task_is_a_job_cause(slurm, tmp_path) -> None:
     assert f"batch job {job}" in r["message"], r
     assert "scancel, walltime" in r["message"], r
     prog.assert_no_job_left()
+
+
+def test_two_checks_of_one_ended_job_replace_it_once() -> None:
+    """A job's workers end together (their --lifetime): each removal starts a
+    check of the job, and the checks' awaits interleave.  One replacement is
+    submitted, and neither check fails (the second raised KeyError and
+    submitted a second replacement when the scheduler was asked between the
+    last check and the replacement)."""
+    import asyncio
+    import itertools
+    import time
+    import types
+
+    from distributed.core import Status
+
+    from fiber_dask.backends.jobwatch import ReplacesEndedJobs
+
+    class SchedulerComm:
+        async def events(self, topic=None):
+            await asyncio.sleep(0.002)  # a local RPC
+            return [(time.time(), {"action": "remove-worker", "expected": True})]
+
+    class Job:
+        job_id = "42"
+
+        async def close(self):
+            pass
+
+    class Cluster(ReplacesEndedJobs):
+        pass
+
+    c = Cluster.__new__(Cluster)  # the watcher's state alone, no batch system
+    c.status = Status.running
+    c.worker_spec = {"job-0": {}}
+    c.workers = {"job-0": Job()}
+    c.scheduler_info = {"workers": {}}
+    c.scheduler_comm = SchedulerComm()
+    c._fiber_grace = 0.1
+    c._fiber_removed = {"tcp://h:1": "42", "tcp://h:2": "42"}
+    numbers = itertools.count(1)
+    c.new_worker_spec = lambda: {f"job-{next(numbers)}": {}}
+
+    async def correct_state():
+        pass
+
+    c._correct_state = correct_state
+
+    def states(ids):
+        time.sleep(0.05)  # squeue
+        return {}
+
+    c._fiber_batch = types.SimpleNamespace(name="slurm", states=states, alive=())
+
+    async def both():
+        return await asyncio.gather(
+            c._fiber_check("job-0", 0.0),
+            c._fiber_check("job-0", 0.0),
+            return_exceptions=True,
+        )
+
+    assert asyncio.run(both()) == [None, None]
+    assert list(c.worker_spec) == ["job-1"]

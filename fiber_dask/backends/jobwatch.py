@@ -244,9 +244,13 @@ class ReplacesEndedJobs:
                         self._fiber_grace, self._fiber_check_soon, job, waited
                     )
                     return
+        # Asked before the last check: nothing may be awaited between that
+        # check and the replacement, or two checks of one job (one per worker
+        # it ran) would both replace it.
+        planned = await self._fiber_planned(job_id)
         if self.status != Status.running or job not in self.worker_spec:
             return
-        if await self._fiber_planned(job_id):
+        if planned:
             # Its workers closed first, gracefully: their lifetime
             # (``--lifetime``, set below the walltime) or a retirement.
             logger.info(

@@ -116,7 +116,11 @@ def start_cluster(
             early.discard()
             return None
         port = PortReservation("127.0.0.1")  # released once the scheduler listens
-        starting = cluster.start_embedded(planned, port, server)
+        try:
+            starting = cluster.start_embedded(planned, port, server)
+        except BaseException:
+            port.release()
+            raise
         if starting is None:  # pragma: no cover - another thread bound one first
             port.release()
             server.stop()

@@ -639,7 +639,11 @@ class PoolEngine:
         slot's chunk again before this cancel (a Jupyter cell's next map
         waited behind them for the whole task).  A thread slot cannot be
         ended: its chunk runs on and its result is dropped.  Chunks of the
-        job queued behind another at a loop run and are dropped too."""
+        job queued behind another at a loop run and are dropped too.  (The
+        owner takes a loop's first unanswered chunk for the one it runs: one
+        that finished just before the grace ended, its result not read yet,
+        ends a loop that has moved on to the next chunk, which then runs
+        again elsewhere.)"""
         if job._finished:
             return
         job._fail(exc)

@@ -42,8 +42,10 @@ __all__ = ["watch", "unwatch", "oom_kills", "death"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between exact readings of every slot process's PSS (see _run).
+#: Seconds between exact readings of every slot process's PSS (see _run);
+#: every turn once the estimate passes _NEAR of the threshold.
 EXACT_EVERY = 2.0
+_NEAR = 0.8
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 _lock = threading.Lock()
@@ -142,9 +144,11 @@ def _run(limit: int, fraction: float, interval: float, own: bool) -> None:
     estimates each slot's PSS from its last exact one (:data:`EXACT_EVERY`
     seconds old at most) plus what its RSS grew by since (a task's new pages
     are its own: they add to both), and reads every PSS exactly only when
-    that estimate passes the threshold, before ending anything.  A page
-    shared with the template that a slot writes to (copy-on-write) adds to
-    its PSS and not its RSS: counted at the next exact reading."""
+    that estimate passes :data:`_NEAR` of the threshold: then every turn,
+    and nothing is ended on an estimate.  A page shared with the template
+    that a slot writes to (copy-on-write) adds to its PSS and not its RSS:
+    counted at the next exact reading, at most 2 s later, or at once near
+    the limit."""
     global _monitor
     import psutil
 
@@ -166,7 +170,8 @@ def _run(limit: int, fraction: float, interval: float, own: bool) -> None:
             except Exception:  # noqa: BLE001
                 pass
         now = time.monotonic()
-        if now - exact_at >= EXACT_EVERY:
+        fresh = now - exact_at >= EXACT_EVERY
+        if fresh:
             exact = _read_exact(forks)
             exact_at = now
         estimate = used
@@ -175,9 +180,13 @@ def _run(limit: int, fraction: float, interval: float, own: bool) -> None:
                 exact[pid] = (_pss(pid), _rss(pid))
             pss, rss = exact[pid]
             estimate += pss + max(0, _rss(pid) - rss)
-        if estimate > threshold:
-            exact = _read_exact(forks)
-            exact_at = now
+        if estimate > threshold * _NEAR:
+            # Near the limit: every turn reads exactly, and decides on that
+            # (copy-on-write growth, which the estimate misses, may be what
+            # makes up the rest).
+            if not fresh:
+                exact = _read_exact(forks)
+                exact_at = now
             sizes = [(exact[pid][0], pid, fork) for pid, fork in forks]
             used += sum(size for size, _, _ in sizes)
             if used > threshold:
