@@ -363,9 +363,10 @@ def connect(
     when hundreds of processes of one host connect at once) is dialled again,
     after a jittered pause from 50 ms doubling up to 1 s, for up to
     ``redial_for`` seconds (default ``timeout``); nothing is unpickled before
-    the server has proved the key, so a redial costs only time.  Raises :class:`Unreachable` when the server
-    cannot be reached, :class:`ChannelError` (a ``ConnectionError``, the base
-    of both) when it has no such service,
+    the server has proved the key, so a redial costs only time.  Raises
+    :class:`Unreachable` when the server cannot be reached,
+    :class:`ChannelError` (a ``ConnectionError``, the base of both) when it
+    has no such service,
     ``multiprocessing.AuthenticationError`` when the authkeys differ, and
     :class:`~fiber_dask.errors.TLSConnectionError` when one end uses TLS and
     the other does not (or their certificates do not match).

@@ -51,12 +51,6 @@ class PortReservation:
         if sock is not None:
             sock.close()
 
-    def __enter__(self) -> PortReservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
     def __repr__(self) -> str:
         state = "held" if self._sock is not None else "released"
         return f"<PortReservation {self.host}:{self.port} {state}>"

@@ -667,10 +667,7 @@ class PoolEngine:
                 ckey, chunk = next(iter(peer.inflight.items()), (None, None))
                 if chunk is None or chunk.job is not job:
                     continue  # idle, or what it runs is another job's
-                peer.expired = peer.retiring = True
-                self._loops.recycled.add(peer.loop)  # replaced, not failed
-                self._file(peer)
-                peer.link.send([(peer.route, proto.Expire(ckey, 0))])
+                self._end_slot(peer, ckey, 0)
                 ended.append(peer.pid)
         if ended:
             logger.info(
@@ -1238,11 +1235,8 @@ class PoolEngine:
                 peer.running = None
                 if chunk is None or self.state == TERMINATE:
                     continue
-                peer.expired = peer.retiring = True
-                self._loops.recycled.add(peer.loop)  # replaced, not failed
-                self._file(peer)
                 self._stats.result(peer, len(chunk.items), False)
-                peer.link.send([(peer.route, proto.Expire(ckey, offset))])
+                self._end_slot(peer, ckey, offset)
                 expired.append((chunk, offset, peer))
             if expired:
                 self._dispatch()
@@ -1260,6 +1254,15 @@ class PoolEngine:
                 self._settle(chunk, False, self._time_limit_error(chunk, offset, peer))
             except Exception:  # one failing callback must not drop the others
                 logger.exception("fiber-dask: error settling a pool result")
+
+    def _end_slot(self, peer: _Peer, ckey: int, offset: int) -> None:
+        """Tell ``peer``'s slot process to end now (``Expire``; engine lock
+        held): it gets no more chunks, and its loop is replaced as after
+        ``maxtasksperchild`` (its template forks a successor), not failed."""
+        peer.expired = peer.retiring = True
+        self._loops.recycled.add(peer.loop)
+        self._file(peer)
+        peer.link.send([(peer.route, proto.Expire(ckey, offset))])
 
     def _time_limit_error(
         self, chunk: _Chunk, offset: int, peer: _Peer

@@ -177,9 +177,9 @@ def _run(limit: int, fraction: float, interval: float, own: bool) -> None:
         estimate = used
         for pid, _ in forks:
             if pid not in exact:  # new since the last exact reading
-                exact[pid] = (_pss(pid), _rss(pid))
+                exact[pid] = _exact(pid)
             pss, rss = exact[pid]
-            estimate += pss + max(0, _rss(pid) - rss)
+            estimate += pss if fresh else pss + max(0, _rss(pid) - rss)
         if estimate > threshold * _NEAR:
             # Near the limit: every turn reads exactly, and decides on that
             # (copy-on-write growth, which the estimate misses, may be what
@@ -208,7 +208,12 @@ def _run(limit: int, fraction: float, interval: float, own: bool) -> None:
 
 
 def _read_exact(forks: list) -> dict[int, tuple[int, int]]:
-    return {pid: (_pss(pid), _rss(pid)) for pid, _ in forks}
+    return {pid: _exact(pid) for pid, _ in forks}
+
+
+def _exact(pid: int) -> tuple[int, int]:
+    """``(pss, rss)`` of ``pid`` now, the base its later estimates start from."""
+    return _pss(pid), _rss(pid)
 
 
 def _rss(pid: int) -> int:
@@ -237,12 +242,7 @@ def _pss(pid: int) -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        import psutil
-
-        return psutil.Process(pid).memory_info().rss
-    except Exception:  # noqa: BLE001 - gone
-        return 0
+    return _rss(pid)
 
 
 def oom_kills(pid: int | None) -> int | None:

@@ -62,9 +62,20 @@ MAIN_THREAD_SIGNALS = frozenset(
 )
 
 
-
 @contextlib.contextmanager
-def held_for_child() -> Iterator[None]:
+def _blocked(signals: frozenset | set) -> Iterator[None]:
+    """``signals`` blocked in this thread for the block, then the mask it had."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def held_for_child() -> contextlib.AbstractContextManager[None]:
     """SIGINT blocked in this thread while it starts a cluster process.
 
     The child inherits the blocked mask through ``fork`` and ``exec``
@@ -77,11 +88,7 @@ def held_for_child() -> Iterator[None]:
     ``/bin/sh -c "trap '' INT; exec ..."`` in front still left the
     millisecond before its ``trap`` ran.  A Ctrl-C for this process meanwhile
     goes to one of its other threads, or waits for the block's end."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return _blocked({signal.SIGINT})
 
 
 def start_helper(thread: threading.Thread) -> None:
@@ -93,14 +100,8 @@ def start_helper(thread: threading.Thread) -> None:
     to a helper, it waited for the main thread's next bytecode, and a task
     blocked in C (``sleep``, I/O) saw its alarm or SIGTERM only when that
     call returned."""
-    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+    with _blocked(MAIN_THREAD_SIGNALS):
         thread.start()
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def cluster_process() -> None:
