@@ -438,8 +438,8 @@ class CuttingProxy:
             server = socket.create_connection(self.upstream)
             self.open += [client, server]
             if self.connections <= self.cuts:
-                (n,) = struct.unpack("!i", _recv_exactly(server, 4))
-                client.sendall(struct.pack("!i", n) + _recv_exactly(server, n))
+                challenge = _read_challenge(server)
+                client.sendall(struct.pack("!i", len(challenge)) + challenge)
                 client.recv(4096)  # its answer, then nothing
                 server.close()
                 client.close()
@@ -451,15 +451,6 @@ class CuttingProxy:
         self.sock.close()
         for s in self.open:
             s.close()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, "closed early"
-        data += chunk
-    return data
 
 
 def _pipe(a: socket.socket, b: socket.socket) -> None:

@@ -894,8 +894,18 @@ def test_two_checks_of_one_ended_job_replace_it_once() -> None:
     from fiber_dask.backends.jobwatch import ReplacesEndedJobs
 
     class SchedulerComm:
+        """Holds the first question until both checks have asked one: they
+        are then both past their squeue, as when their answers cross."""
+
+        def __init__(self):
+            self.asked = 0
+            self.both = asyncio.Event()
+
         async def events(self, topic=None):
-            await asyncio.sleep(0.002)  # a local RPC
+            self.asked += 1
+            if self.asked >= 2:
+                self.both.set()
+            await asyncio.wait_for(self.both.wait(), 10)
             return [(time.time(), {"action": "remove-worker", "expected": True})]
 
     class Job:
@@ -912,7 +922,7 @@ def test_two_checks_of_one_ended_job_replace_it_once() -> None:
     c.worker_spec = {"job-0": {}}
     c.workers = {"job-0": Job()}
     c.scheduler_info = {"workers": {}}
-    c.scheduler_comm = SchedulerComm()
+    c.scheduler_comm = None  # made in the event loop, below
     c._fiber_grace = 0.1
     c._fiber_removed = {"tcp://h:1": "42", "tcp://h:2": "42"}
     numbers = itertools.count(1)
@@ -923,13 +933,13 @@ def test_two_checks_of_one_ended_job_replace_it_once() -> None:
 
     c._correct_state = correct_state
 
-    def states(ids):
-        time.sleep(0.05)  # squeue
+    def states(ids):  # squeue: the job is gone
         return {}
 
     c._fiber_batch = types.SimpleNamespace(name="slurm", states=states, alive=())
 
     async def both():
+        c.scheduler_comm = SchedulerComm()
         return await asyncio.gather(
             c._fiber_check("job-0", 0.0),
             c._fiber_check("job-0", 0.0),

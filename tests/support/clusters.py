@@ -38,13 +38,6 @@ def runs_under(pid: int, worker_pids) -> bool:
     return any(p in set(worker_pids) for p in chain)
 
 
-def reserve_port() -> PortReservation:
-    """A TCP port on 127.0.0.1, held bound until ``release()`` so that no other
-    socket takes it before the server it is for listens there (a Dask
-    scheduler binds it all the same: fiber_dask.comm.ports)."""
-    return PortReservation("127.0.0.1")
-
-
 @contextlib.contextmanager
 def command_line_cluster(
     env: dict, nthreads: int = 2
@@ -54,7 +47,9 @@ def command_line_cluster(
     ``(address, scheduler, worker)`` once the worker has joined; stops both
     at the end (killed if they have not exited 30 s after SIGTERM, or
     already killed by the test)."""
-    reserved = reserve_port()
+    # Held until the scheduler listens there (it binds it all the same:
+    # fiber_dask.comm.ports), so that no other socket takes it first.
+    reserved = PortReservation("127.0.0.1")
     port = reserved.port
     address = f"tcp://127.0.0.1:{port}"
     quiet = subprocess.DEVNULL

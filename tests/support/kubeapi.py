@@ -552,29 +552,29 @@ class Kubelet:
         args, env = self._container(dep)
         # Held until the scheduler serves, so that no other socket takes them.
         held = [PortReservation("127.0.0.1") for _ in range(2)]
-        comm, dashboard = (r.port for r in held)
+        comm, dashboard = (port.port for port in held)
         assert args[:2] == ["dask", "scheduler"], args
         args = [a for a in args if a not in ("--host", "0.0.0.0")]
         args += ["--host", "127.0.0.1", "--port", str(comm)]
         args += ["--dashboard-address", f"127.0.0.1:{dashboard}"]
-        proc = self._popen(name, args, env)
-        deadline = time.monotonic() + 60
-        while True:  # the readiness probe: GET /health
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{dashboard}/health", timeout=1
-                ) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for r in held:
-                    r.release()
-                raise RuntimeError(f"scheduler {name} did not start")
-            time.sleep(0.1)
-        for r in held:
-            r.release()
+        try:
+            proc = self._popen(name, args, env)
+            deadline = time.monotonic() + 60
+            while True:  # the readiness probe: GET /health
+                try:
+                    with urllib.request.urlopen(
+                        f"http://127.0.0.1:{dashboard}/health", timeout=1
+                    ) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"scheduler {name} did not start")
+                time.sleep(0.1)
+        finally:
+            for port in held:
+                port.release()
         labels = dep["spec"]["template"]["metadata"]["labels"]
         cluster = labels["dask.org/cluster-name"]
         self.schedulers[cluster] = f"tcp://127.0.0.1:{comm}"
