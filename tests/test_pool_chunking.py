@@ -99,8 +99,11 @@ def test_chunks_adapt_to_the_task_duration(fiber_ctx):
         assert fast.get(timeout=120) == [3 * x for x in range(20000)]
         # Item by item would be 20000 chunks.  Measured: the stdlib's 2500
         # items for each slot until the first result, then chunks of up to
-        # 50 ms of work that shrink toward the end, down to 1 ms.
-        assert 2 < fast._chunk_index < 2000, fast._chunk_index
+        # 50 ms of work that shrink toward the end, down to 1 ms.  Where
+        # the first result measures triple under 57 ns an item, the 17,500
+        # left last under TAIL_SECONDS and go as one chunk: two in all (CI
+        # on 4575366 measured that; the rule's own case is in test_the_rule).
+        assert 2 <= fast._chunk_index < 2000, fast._chunk_index
         slow = pool.map_async(nap, range(24))
         assert slow.get(timeout=120) == [-x for x in range(24)]
         # 0.1 s a task is longer than a chunk's 50 ms: after the stdlib's
