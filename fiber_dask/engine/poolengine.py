@@ -640,10 +640,10 @@ class PoolEngine:
         waited behind them for the whole task).  A thread slot cannot be
         ended: its chunk runs on and its result is dropped.  Chunks of the
         job queued behind another at a loop run and are dropped too.  (The
-        owner takes a loop's first unanswered chunk for the one it runs: one
-        that finished just before the grace ended, its result not read yet,
-        ends a loop that has moved on to the next chunk, which then runs
-        again elsewhere.)"""
+        owner takes a loop's first unanswered chunk for the one it runs; a
+        slot process that finished it just before the grace ended, its
+        answer not read yet, and runs another job's chunk now, finishes that
+        chunk and leaves after it: ``poolworker._Loop.expire``.)"""
         if job._finished:
             return
         job._fail(exc)
@@ -1305,16 +1305,17 @@ class PoolEngine:
                 return
             back: list[_Chunk] = []
             if peer.expired:
-                # Killed at the owner's word (an item's hard time limit): its
-                # expired chunk is settled; what it still held had not
-                # started (or did, just as the limit passed): all of it goes
-                # again, nothing counted against the item or the pool.
+                # Ended at the owner's word (an item's hard time limit, a
+                # cancelled job): its expired chunk is settled; what it
+                # still held had not started (or did, just as the limit
+                # passed): all of it goes again, nothing counted against
+                # the item or the pool.
                 back = [c for c in peer.inflight.values() if not c.job._finished]
                 self._retry.extendleft(reversed(back))
                 if back:
                     logger.info(
-                        "fiber-dask: re-running %d chunk(s) the slot process ended at "
-                        "a time limit held",
+                        "fiber-dask: re-running %d chunk(s) held by a slot process "
+                        "the pool ended (a time limit, or an interrupted call)",
                         len(back),
                     )
                 self._dispatch()

@@ -19,8 +19,10 @@ owner → loop::
                             pickled list of a chunk's items; ``limits``:
                             ``(soft, hard)`` seconds per item, or None)
     Expire(ckey, offset)    that item passed its hard time limit, or its
-                            job was cancelled: the slot process ends
-                            itself (SIGKILL), see timelimits
+                            job was cancelled: a slot process still in
+                            chunk ckey ends itself (SIGKILL), see
+                            timelimits; one past it finishes the chunk it
+                            runs, answers and leaves (``Gone(RECYCLED)``)
     STOP                    stop after the queued work
     TERMINATE               stop now, interrupting the task
     DRAIN                   the loop's Dask worker is closing: finish the
@@ -426,9 +428,11 @@ class Running:
 class Expire:
     """Owner → loop: item ``offset`` of chunk ``ckey`` ran past its hard
     time limit, and the owner failed it; or the job of chunk ``ckey`` was
-    cancelled (its blocking caller interrupted: ``PoolEngine.cancel``).  The
-    slot process ends itself at once (whatever it runs by then: the owner
-    re-runs what it still held)."""
+    cancelled (its blocking caller interrupted: ``PoolEngine.cancel``).  A
+    slot process still in chunk ``ckey`` ends itself at once; one that has
+    moved past it (the owner took its first unanswered chunk for the one it
+    runs) finishes the chunk it runs and leaves, as after
+    ``maxtasksperchild``.  The owner re-sends what it still held."""
 
     __slots__ = ("ckey", "offset")
     tag = "X"

@@ -66,6 +66,12 @@ class _Loop:
         self.draining = False
         #: It left its link (:meth:`leave`): its thread runs other code now.
         self.left = False
+        #: The chunk it runs (its ckey), or None between chunks; and whether
+        #: an ``Expire`` came for a chunk it had already answered, or not yet
+        #: started: it then starts no other and leaves (:meth:`begin`).
+        #: Both under ``exec_lock``.
+        self.chunk: int | None = None
+        self.retire = False
         self.main_ident = threading.get_ident()
         self._thread = ctypes.c_ulong(self.main_ident)  # for _set_async_exc
         self.main = MainNamespace()  # the script's globals, shared by its functions
@@ -111,7 +117,7 @@ class _Loop:
             return
         if msg is not None and msg is not proto.TERMINATE:
             if type(msg) is proto.Expire:
-                timelimits.expire()  # a slot process ends here, now
+                self.expire(msg.ckey)
                 return
             self.inbox.put(msg)
             return
@@ -127,6 +133,34 @@ class _Loop:
                     t.daemon = True
                     interrupts.start_helper(t)
         self.inbox.put(None)
+
+    def expire(self, ckey: int) -> None:
+        """The owner ended chunk ``ckey`` (an item past its hard time limit,
+        or its job cancelled): a slot process still in it ends now, its
+        template forking a successor.  One that has moved on (the owner
+        takes a loop's first unanswered chunk for the one it runs, and that
+        chunk's answer may be on its way, or not sent yet behind a short
+        chunk's) or has not started it finishes the chunk it runs, answers,
+        and leaves as after ``maxtasksperchild``: what it runs is another
+        job's, which would otherwise run again elsewhere."""
+        with self.exec_lock:
+            now = self.chunk == ckey
+            self.retire = True
+        if now:
+            timelimits.expire()  # a slot process ends here, now
+        self.inbox.put(proto.STOP)  # wakes a loop waiting for work: it leaves
+
+    def begin(self, ckey: int) -> bool:
+        """Chunk ``ckey`` starts, unless an ``Expire`` came (False)."""
+        with self.exec_lock:
+            if self.retire:
+                return False
+            self.chunk = ckey
+            return True
+
+    def end(self) -> None:
+        with self.exec_lock:
+            self.chunk = None
 
     def _kill_if_stuck(self) -> None:
         """Still in the task after the grace period: end this worker process,
@@ -367,6 +401,8 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
         msg = loop.inbox.get()
         if msg is None or loop.stop_now:
             return proto.Reason.TERMINATED
+        if loop.retire:
+            return proto.Reason.RECYCLED
         if msg is proto.STOP:
             return proto.Reason.STOPPED
         if loop.draining:
@@ -387,7 +423,16 @@ def _serve(loop: _Loop, maxtasks: int | None) -> str:
                 # killed in it then held only it and what never started.
                 loop.send(proto.Results(answers))
                 answers = []
-            ok, value, secs = _run_chunk(loop, call, msg.shared)
+            if not loop.begin(call.ckey):
+                # Expire for a chunk it had moved past: answer, and leave as
+                # after maxtasksperchild (the owner re-sends what is left).
+                if answers:
+                    loop.send(proto.Results(answers))
+                return proto.Reason.RECYCLED
+            try:
+                ok, value, secs = _run_chunk(loop, call, msg.shared)
+            finally:
+                loop.end()
             completed += 1
             last = bool(maxtasks) and completed >= maxtasks
             now = clock()

@@ -19,6 +19,9 @@ task function (each item, each retry) with a :class:`Limiter`::
       the loop is told ───── Expire(ckey, offset) ─►  receiver thread: write
                                                    "time-limit" as the slot's
                                                    reason, SIGKILL this process
+                                                   (if it has moved past chunk
+                                                   ckey: finish the chunk it
+                                                   runs, answer, and leave)
     the link drops: the chunks it still held       the template forks a successor
       go again (never started; not counted)        with the same spec (as after
                                                    maxtasksperchild), which

@@ -48,6 +48,18 @@ def counted_square(x, directory, victims=()):
     return x * x
 
 
+def counted_until_told(x, directory):
+    """Count this execution, write the started marker ``started-<x>`` (with
+    this pid), then wait for the file ``go-<x>`` (at most 60 s); ``x``."""
+    _log(directory, x)
+    mark_started(directory, x)
+    go = os.path.join(directory, f"go-{x}")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return x
+
+
 def executions(directory: str, x: int) -> int:
     try:
         with open(os.path.join(directory, f"runs-{x}")) as f:
