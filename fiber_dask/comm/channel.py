@@ -395,17 +395,24 @@ def connect(
 def _connect_once(
     host: str, port: int, authkey: bytes, service: str, hello: Any, timeout: float
 ) -> Connection:
-    conn = dial(
-        host,
-        port,
-        timeout,
-        f"{host}:{port}",
-        lambda e: Unreachable(
-            f"cannot reach the fiber-dask channel at {host}:{port}: {e}. "
-            "The process that owns this object must be reachable from this host; "
-            "set fiber.listen-host to an address the workers can connect to."
-        ),
-    )
+    try:
+        conn = dial(
+            host,
+            port,
+            timeout,
+            f"{host}:{port}",
+            lambda e: Unreachable(
+                f"cannot reach the fiber-dask channel at {host}:{port}: {e}. "
+                "The process that owns this object must be reachable from this "
+                "host; set fiber.listen-host to an address the workers can "
+                "connect to."
+            ),
+        )
+    except tls.HandshakeCut as e:
+        raise _Cut(
+            "in its TLS part, without an alert (if every dial ends so, it may "
+            "not accept this process's certificate)"
+        ) from e
     try:
         answer = _client_handshake(
             conn, authkey, service, hello, timeout, f"{host}:{port}"

@@ -57,6 +57,7 @@ def _ssl() -> Any:
 
 __all__ = [
     "HELLO",
+    "HandshakeCut",
     "TLSConnection",
     "connect",
     "handshake_error",
@@ -152,6 +153,15 @@ def receive_into(buf: Any, offset: int, receive: Any) -> int:
         with m.cast("B") as flat:
             flat[offset : offset + size] = data
         return size
+
+
+class HandshakeCut(TLSConnectionError):
+    """The server closed the connection before or during the TLS handshake
+    without a TLS alert: a gate over its bound of handshakes in progress from
+    this host dropped it, or the server went away.  A refused certificate
+    comes with an alert (the server sends it: ``_send_alert``), so this is
+    no verdict on the certificate; :func:`fiber_dask.comm.channel.connect`
+    dials again, as after a cut in the authkey handshake."""
 
 
 class TLSConnection:
@@ -521,6 +531,8 @@ def connect(
             raise AuthenticationError(
                 f"{where} sent nothing for {timeout:g} s (not a fiber-dask endpoint?)"
             ) from None
+        except (EOFError, ConnectionError) as e:
+            raise HandshakeCut(f"{where} closed the connection before its hello") from e
         if not is_hello(first):
             if _CHALLENGE_TAG in first:
                 raise TLSConnectionError(
@@ -532,15 +544,16 @@ def connect(
         conn = TLSConnection(sock, context, server_side=False)
         try:
             conn.handshake(timeout)
+        except (EOFError, ConnectionError, ssl.SSLEOFError) as e:
+            raise HandshakeCut(
+                f"{where} closed the connection during the TLS handshake without "
+                "an alert (overloaded, or it did not accept this process's "
+                "certificate)"
+            ) from e
         except ssl.SSLError as e:
             raise TLSConnectionError(
                 f"TLS handshake with {where} failed ({e.reason or e}): are both "
                 "certificates signed by the cluster's CA?"
-            ) from e
-        except EOFError as e:
-            raise TLSConnectionError(
-                f"{where} closed the connection during the TLS handshake (it did not "
-                "accept this process's certificate?)"
             ) from e
         return conn
     except BaseException:
