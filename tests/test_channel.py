@@ -539,6 +539,74 @@ def test_many_clients_of_one_host_past_a_crowded_gate_all_connect(monkeypatch):
         s.close()
 
 
+def test_a_crowd_of_real_clients_is_not_warned_of_a_strangers_flood_is(
+    monkeypatch, caplog
+):
+    """Handshakes dropped to keep the bound from an address whose peers
+    prove the key (a big host's processes connecting at once; they dial
+    again) are said at INFO; from an address none of whose peers proved it,
+    they are warned of, as a flood of stalled sockets is."""
+    monkeypatch.setattr(gate, "MAX_PER_PEER", 2)
+    monkeypatch.setattr(gate, "MIN_AGE", 0.0)
+    g = gate.get_gate()
+    s = channel.ChannelServer("127.0.0.1", b"right-key")
+    served: list = []
+    s.register("echo", lambda conn, hello: served.append(conn), inline=True)
+    caplog.set_level(logging.INFO, logger="fiber_dask.comm.gate")
+
+    def ours(level):
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == level and "127.0.0.1" in r.getMessage()
+        ]
+
+    stalled: list = []
+    try:
+        # A stranger: no peer of this address has proved the key.
+        g._log._windows.clear()
+        g._drops._windows.clear()
+        g._proved.clear()
+        evicted = g.stats["evicted-peer"]
+        stalled = [socket.create_connection(s.address) for _ in range(8)]
+        wait_until(lambda: g.stats["evicted-peer"] >= evicted + 6, 10, "6 drops")
+        assert any("dropped: over 2 handshakes" in m for m in ours(logging.WARNING))
+        for sock in stalled:
+            sock.close()
+        # Real clients of one host, in a crowd.
+        caplog.clear()
+        g._log._windows.clear()
+        channel.connect(s.address, b"right-key", "echo", timeout=20).close()
+        evicted = g.stats["evicted-peer"]
+        errors: list = []
+        start = threading.Barrier(40)
+
+        def client() -> None:
+            start.wait()
+            try:
+                channel.connect(s.address, b"right-key", "echo", timeout=20).close()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=client) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        assert g.stats["evicted-peer"] > evicted  # some were dropped on the way
+        assert ours(logging.WARNING) == []
+        assert any("dropped a handshake from 127.0.0.1" in m for m in ours(logging.INFO))
+    finally:
+        for sock in stalled:
+            sock.close()
+        for conn in served:
+            conn.close()
+        s.close()
+        g._log._windows.clear()
+        g._drops._windows.clear()
+
+
 def test_a_peer_gone_mid_handshake_is_counted_not_warned_of(caplog):
     """A process killed while it connects (slot processes at their program's
     exit) closes or resets its half-done handshake: the gate counts it and

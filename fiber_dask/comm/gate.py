@@ -33,8 +33,11 @@ What an unauthenticated peer can cost, and no more:
   unpickled before it;
 * **no thread, no blocking call**: the accept loop never waits for a peer, so
   new connections are always accepted;
-* **a quiet log**: rejected and dropped connections are logged once per peer
-  address per :data:`LOG_INTERVAL`, with a count of the others.
+* **a quiet log**: rejected connections are warned of once per peer address
+  per :data:`LOG_INTERVAL`, with a count of the others; handshakes dropped to
+  keep the bounds from an address whose peers have been proving the key (a
+  big host's processes connecting at once, which a fiber-dask client dials
+  again) are said the same way at INFO.
 
 A handshake is a generator (the sans-I/O style): it yields ``bytes`` to send,
 an ``int`` to receive exactly that many bytes of the (decrypted) stream, or
@@ -191,10 +194,36 @@ class _Pending:
 
 
 class _RejectLog:
-    """One warning per peer address per LOG_INTERVAL, with a count."""
+    """One line per peer address per LOG_INTERVAL, with a count: a warning
+    for rejections (junk, wrong keys, stalls, refused TLS); ``drops=True``
+    at INFO, for handshakes dropped to keep the bounds from an address whose
+    peers have been proving the key (:meth:`Gate._drop`): hundreds of
+    processes of one host connecting at once, which a fiber-dask client
+    dials again."""
 
-    def __init__(self) -> None:
+    def __init__(self, drops: bool = False) -> None:
         self._windows: dict[str, list] = {}  # peer -> [start, suppressed, reason]
+        if drops:
+            self._level = logging.INFO
+            self._first = (
+                "fiber-dask: dropped a handshake from %s: %s; a fiber-dask client "
+                "dials again (further ones from this address are counted and "
+                "logged every %g s)"
+            )
+            self._more = (
+                "fiber-dask: dropped %d more handshake(s) from %s in the last %g s "
+                "(the last: %s)"
+            )
+        else:
+            self._level = logging.WARNING
+            self._first = (
+                "fiber-dask: rejected a connection from %s: %s (further ones from "
+                "this address are counted and logged every %g s)"
+            )
+            self._more = (
+                "fiber-dask: rejected %d more connection(s) from %s in the last %g s "
+                "(the last: %s)"
+            )
 
     def note(self, peer: str, reason: str) -> None:
         if peer not in self._windows and len(self._windows) >= _LOG_PEERS:
@@ -202,13 +231,7 @@ class _RejectLog:
         window = self._windows.get(peer)
         if window is None:
             self._windows[peer] = [time.monotonic(), 0, reason]
-            logger.warning(
-                "fiber-dask: rejected a connection from %s: %s (further ones from "
-                "this address are counted and logged every %g s)",
-                peer,
-                reason,
-                LOG_INTERVAL,
-            )
+            logger.log(self._level, self._first, peer, reason, LOG_INTERVAL)
         else:
             window[1] += 1
             window[2] = reason
@@ -223,13 +246,8 @@ class _RejectLog:
                 nearest = left if nearest is None else min(nearest, left)
                 continue
             if window[1]:
-                logger.warning(
-                    "fiber-dask: rejected %d more connection(s) from %s in the "
-                    "last %g s (the last: %s)",
-                    window[1],
-                    peer,
-                    LOG_INTERVAL,
-                    window[2],
+                logger.log(
+                    self._level, self._more, window[1], peer, LOG_INTERVAL, window[2]
                 )
                 self._windows[peer] = [now, 0, None]
                 nearest = (
@@ -257,6 +275,10 @@ class Gate:
         self._by_peer: dict[str, dict[int, _Pending]] = {}
         self._crowded: set[str] = set()  # peers with over MAX_PER_PEER pending
         self._log = _RejectLog()
+        self._drops = _RejectLog(drops=True)
+        #: peer address -> when a handshake from it last proved the key
+        #: (oldest first; at most _LOG_PEERS addresses).
+        self._proved: dict[str, float] = {}
         self._paused: list[_Listener] = []  # out of descriptors: not accepting
         self.stats = collections.Counter()  # what happened, for tests and debugging
         self._thread = threading.Thread(
@@ -325,6 +347,9 @@ class Gate:
     def _once(self) -> None:
         now = time.monotonic()
         timeout = self._log.flush(now)
+        drops = self._drops.flush(now)
+        if drops is not None:
+            timeout = drops if timeout is None else min(timeout, drops)
         if self._pending:
             first = next(iter(self._pending.values()))
             left = max(0.0, first.deadline - now)
@@ -407,9 +432,9 @@ class Gate:
             self._crowded.add(peer)  # trimmed by _expire once they age
         if len(self._pending) >= MAX_PENDING:
             self.stats["evicted-total"] += 1
-            self._reject(
+            self._drop(
                 next(iter(self._pending.values())),
-                f"dropped: over {MAX_PENDING} handshakes in progress (the oldest goes)",
+                f"over {MAX_PENDING} handshakes in progress (the oldest goes)",
             )
         try:
             sock.setblocking(False)
@@ -587,10 +612,10 @@ class Gate:
                 if now - oldest.accepted < MIN_AGE:
                     break
                 self.stats["evicted-peer"] += 1
-                self._reject(
+                self._drop(
                     oldest,
-                    f"dropped: over {MAX_PER_PEER} handshakes in progress from "
-                    "this address (the oldest go)",
+                    f"over {MAX_PER_PEER} handshakes in progress from this "
+                    "address (the oldest go)",
                 )
                 mine = self._by_peer.get(peer)
             if not mine or len(mine) <= MAX_PER_PEER:
@@ -612,6 +637,14 @@ class Gate:
             if not mine:
                 del self._by_peer[p.peer]
         self.stats["trusted"] += 1
+        self._note_proved(p.peer)
+
+    def _note_proved(self, peer: str) -> None:
+        proved = self._proved
+        proved.pop(peer, None)
+        proved[peer] = time.monotonic()
+        if len(proved) > _LOG_PEERS:
+            del proved[next(iter(proved))]
 
     def _remove(self, p: _Pending) -> None:
         fd = p.sock.fileno()
@@ -643,6 +676,19 @@ class Gate:
         self._log.note(p.peer, reason)
         self._close(p)
 
+    def _drop(self, p: _Pending, reason: str) -> None:
+        """Close ``p`` to keep the bounds (counted as rejected).  Said at INFO
+        when a handshake from its address proved the key within
+        LOG_INTERVAL (a crowd of real clients: the dropped one dials again);
+        warned of otherwise, as a stranger's flood of stalled sockets is."""
+        self.stats["rejected"] += 1
+        proved = self._proved.get(p.peer)
+        if proved is not None and time.monotonic() - proved < LOG_INTERVAL:
+            self._drops.note(p.peer, reason)
+        else:
+            self._log.note(p.peer, f"dropped: {reason}")
+        self._close(p)
+
     def _failed(self, p: _Pending, e: Exception) -> None:
         """The handshake with ``p`` raised ``e``: a rejection, logged (junk,
         a wrong key, TLS refused); but a peer that went away in the middle
@@ -660,6 +706,7 @@ class Gate:
         """Authenticated: the connection leaves the gate for its service."""
         self._remove(p)
         self.stats["authenticated"] += 1
+        self._note_proved(p.peer)
         sock, out = p.sock, bytes(p.out)
         try:
             sock.setblocking(True)
