@@ -24,6 +24,7 @@ import textwrap
 import dask
 import pytest
 from distributed import Client
+from support import memcg
 from support.clusters import loopback_cluster
 from support.netns import DaskCluster, Network, unavailable
 from support.wait import wait_for_file
@@ -129,6 +130,27 @@ def test_task_over_the_workers_memory_limit_is_ended_for_memory(tmp_path):
         assert executions(d, 0) == 2
         # The Dask workers themselves were not harmed.
         assert len(workers(c)) == 2
+
+
+@pytest.mark.skipif(memcg.unavailable() is not None, reason=f"{memcg.unavailable()}")
+def test_the_kernels_oom_killer_is_a_memory_cause(client, tmp_path):
+    """A slot process the kernel's OOM killer kills: its Dask workers are
+    moved into a memory cgroup of 400 MB (what they fork next is born in it),
+    far under the workers' own memory limit, so the kernel acts, not Dask's
+    rule.  Told apart by the cgroup's OOM-kill count."""
+    d = str(tmp_path)
+    with memcg.memory_cgroup(400 * 2**20) as cg:
+        for pid in client.run(os.getpid).values():
+            cg.add_tree(pid)
+        before = cg.oom_kills()
+        err = lost(client, allocate, directory=d)
+        assert cg.oom_kills() >= before + 2  # the kernel's doing, twice
+    assert (err.cause, err.signal) == ("memory", signal.SIGKILL)
+    assert err.address in workers(client)
+    message = str(err)
+    assert "killed by the kernel's OOM killer" in message, message
+    assert "Give the workers more memory" in message, message
+    assert executions(d, 0) == 2  # once, then the allowed re-run
 
 
 PROGRAM = """
