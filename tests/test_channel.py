@@ -13,6 +13,7 @@ import time
 from multiprocessing.connection import Connection
 
 import pytest
+from support import crowd
 from support.wait import wait_until
 
 from fiber_dask.comm import channel, gate
@@ -506,37 +507,16 @@ def test_many_clients_of_one_host_past_a_crowded_gate_all_connect(monkeypatch):
     slots, each with its queues) overflow the gate's bound on handshakes in
     progress from one address; those it drops dial again, quietly, and all
     get in."""
-    monkeypatch.setattr(gate, "MAX_PER_PEER", 2)
-    monkeypatch.setattr(gate, "MIN_AGE", 0.0)
+    crowd.crowded_gate(monkeypatch)
     g = gate.get_gate()
-    s = channel.ChannelServer("127.0.0.1", b"right-key")
-    served: list = []
-    s.register("echo", lambda conn, hello: served.append(conn), inline=True)
+    s, served = crowd.echo_server(b"right-key")
     evicted = g.stats["evicted-peer"]
-    errors: list = []
-    start = threading.Barrier(60)
-
-    def client() -> None:
-        start.wait()
-        try:
-            channel.connect(s.address, b"right-key", "echo", timeout=20).close()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=client) for _ in range(60)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert errors == []
-        # The service gets a connection just after its client heard "OK".
-        wait_until(lambda: len(served) == 60, 10, "the service to get all 60")
+        assert crowd.connect_at_once(s.address, b"right-key", 60, timeout=20) == []
+        crowd.all_served(served, 60)
         assert g.stats["evicted-peer"] > evicted  # some were dropped on the way
     finally:
-        for conn in served:
-            conn.close()
-        s.close()
+        crowd.close(s, served)
 
 
 def test_a_crowd_of_real_clients_is_not_warned_of_a_strangers_flood_is(
@@ -546,12 +526,9 @@ def test_a_crowd_of_real_clients_is_not_warned_of_a_strangers_flood_is(
     prove the key (a big host's processes connecting at once; they dial
     again) are said at INFO; from an address none of whose peers proved it,
     they are warned of, as a flood of stalled sockets is."""
-    monkeypatch.setattr(gate, "MAX_PER_PEER", 2)
-    monkeypatch.setattr(gate, "MIN_AGE", 0.0)
+    crowd.crowded_gate(monkeypatch)
     g = gate.get_gate()
-    s = channel.ChannelServer("127.0.0.1", b"right-key")
-    served: list = []
-    s.register("echo", lambda conn, hello: served.append(conn), inline=True)
+    s, served = crowd.echo_server(b"right-key")
     caplog.set_level(logging.INFO, logger="fiber_dask.comm.gate")
 
     def ours(level):
@@ -578,31 +555,14 @@ def test_a_crowd_of_real_clients_is_not_warned_of_a_strangers_flood_is(
         g._log._windows.clear()
         channel.connect(s.address, b"right-key", "echo", timeout=20).close()
         evicted = g.stats["evicted-peer"]
-        errors: list = []
-        start = threading.Barrier(40)
-
-        def client() -> None:
-            start.wait()
-            try:
-                channel.connect(s.address, b"right-key", "echo", timeout=20).close()
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(repr(e))
-
-        threads = [threading.Thread(target=client) for _ in range(40)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert errors == []
+        assert crowd.connect_at_once(s.address, b"right-key", 40, timeout=20) == []
         assert g.stats["evicted-peer"] > evicted  # some were dropped on the way
         assert ours(logging.WARNING) == []
         assert any("dropped a handshake from 127.0.0.1" in m for m in ours(logging.INFO))
     finally:
         for sock in stalled:
             sock.close()
-        for conn in served:
-            conn.close()
-        s.close()
+        crowd.close(s, served)
         g._log._windows.clear()
         g._drops._windows.clear()
 

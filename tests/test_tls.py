@@ -26,6 +26,7 @@ import time
 
 import pytest
 from distributed.security import Security
+from support import crowd
 from support.wait import wait_until
 
 from fiber_dask import cluster
@@ -624,36 +625,13 @@ def test_many_clients_of_one_host_past_a_crowded_gate_all_connect_over_tls(
     while the TLS part of it runs (before the server's hello, or within the
     TLS handshake, where it closes without an alert) is dialled again, not
     taken for a refused certificate."""
-    monkeypatch.setattr(gate, "MAX_PER_PEER", 2)
-    monkeypatch.setattr(gate, "MIN_AGE", 0.0)
+    crowd.crowded_gate(monkeypatch)
     g = gate.get_gate()
-    s = channel.ChannelServer(
-        "127.0.0.1", KEY, security.get_listen_args("client")["ssl_context"]
-    )
-    served: list = []
-    s.register("echo", lambda conn, hello: served.append(conn), inline=True)
+    s, served = crowd.echo_server(KEY, security.get_listen_args("client")["ssl_context"])
     evicted = g.stats["evicted-peer"]
-    errors: list = []
-    start = threading.Barrier(60)
-
-    def client() -> None:
-        start.wait()
-        try:
-            channel.connect(s.address, KEY, "echo", timeout=30).close()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=client) for _ in range(60)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
-        assert errors == []
-        # The service gets a connection just after its client heard "OK".
-        wait_until(lambda: len(served) == 60, 10, "the service to get all 60")
+        assert crowd.connect_at_once(s.address, KEY, 60, timeout=30) == []
+        crowd.all_served(served, 60)
         assert g.stats["evicted-peer"] > evicted  # some were dropped on the way
     finally:
-        for conn in served:
-            conn.close()
-        s.close()
+        crowd.close(s, served)
