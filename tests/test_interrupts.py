@@ -467,41 +467,20 @@ def test_jupyter_interrupt_then_the_next_cell_maps(tmp_path):
 
 
 def test_a_late_cancel_lets_the_slot_finish_another_jobs_chunk(tmp_path):
-    # The cancel's second half (PoolEngine._end_cancelled) takes a loop's
-    # first unanswered chunk for the one it runs.  Forced here under the
-    # engine's lock (which the owner's reader needs to read an answer): the
-    # cancelled job's chunk has ended, its answer is unread, and the slot
-    # process runs the next job's chunk.  It must finish that chunk, once,
-    # and leave after it (a new slot process takes its place), not be
+    # The cancel's second half takes a loop's first unanswered chunk for the
+    # one it runs: forced to come after the slot process moved on to the
+    # next job's chunk (support/latecancel.py).  It must finish that chunk,
+    # once, and leave after it (a new slot process takes its place), not be
     # killed in it and the chunk run again.
-    from tasks.poolcore import counted_until_told, executions
+    import dask
+    from support.latecancel import SEND_AHEAD, cancel_after_the_slot_moved_on
+    from tasks.poolcore import executions
 
     import fiber_dask
 
     d = str(tmp_path)
-    started = lambda x: os.path.join(d, f"started-{x}")  # noqa: E731
-    with fiber_dask.Pool(1) as pool:
-        engine = pool._engine
-        # Measured short, the function's next chunks are sent ahead to a
-        # busy loop (an unmeasured one's wait for an answer first).
-        open(os.path.join(d, "go-9"), "w").close()
-        assert pool.starmap(counted_until_told, [(9, d)] * 4, chunksize=1) == [9] * 4
-        a = pool.apply_async(counted_until_told, (0, d))
-        b = pool.apply_async(counted_until_told, (1, d))
-        wait_until(lambda: os.path.exists(started(0)), what="the first job to start")
-        wait_until(
-            lambda: any(
-                c.job is b for p in engine._peers.values() for c in p.inflight.values()
-            ),
-            what="the second job's chunk sent to the slot behind the first's",
-        )
-        with engine._lock:
-            open(os.path.join(d, "go-0"), "w").close()
-            wait_until(lambda: os.path.exists(started(1)), what="the second job to start")
-            with open(started(1)) as f:
-                ran_b = int(f.read())
-            a._fail(KeyboardInterrupt())
-            engine._end_cancelled(a)
+    with dask.config.set(SEND_AHEAD), fiber_dask.Pool(1) as pool:
+        b, ran_b = cancel_after_the_slot_moved_on(pool, d)
         open(os.path.join(d, "go-1"), "w").close()
         assert b.get(timeout=60) == 1
         assert executions(d, 1) == 1  # not killed in it and run again

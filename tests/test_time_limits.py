@@ -18,6 +18,7 @@ import time
 import dask
 import pytest
 import yaml
+from support.latecancel import SEND_AHEAD, cancel_after_the_slot_moved_on
 from support.processes import running
 from support.wait import wait_for_file, wait_until
 from tasks import timelimits as t
@@ -124,6 +125,21 @@ def test_map_with_a_mix_fails_only_the_slow_item(tmp_path):
     assert [t.executions(d, x) for x in range(8)] == [1] * 8
     assert t.executions(d, 13) == 1
     assert all(t.executions(d, x) <= 1 for x in range(10, 20))
+
+
+def test_a_slot_told_to_end_after_it_moved_on_keeps_the_next_chunks_limit(tmp_path):
+    """A slot process told to end for a chunk it had moved past finishes the
+    chunk it runs, under that chunk's hard limit: the owner still times its
+    items.  The next job's item hangs: it fails with TimeLimitExceeded,
+    run once (not killed by the kernel's backstop and run again)."""
+    d = str(tmp_path)
+    with dask.config.set(SEND_AHEAD), fiber_dask.Pool(1, time_limit=3) as pool:
+        b, ran_b = cancel_after_the_slot_moved_on(pool, d)  # b waits for go-1
+        with pytest.raises(TimeLimitExceeded, match="time limit of 3s"):
+            b.get(timeout=60)
+        assert t.executions(d, 1) == 1
+        wait_until(lambda: not running(ran_b), 10, "its slot process to be killed")
+        assert pool.apply(t.square, (3,)) == 9
 
 
 def test_soft_then_hard_limit(tmp_path):

@@ -662,7 +662,9 @@ class PoolEngine:
             if self.state == TERMINATE or self._released:
                 return
             for peer in list(self._peers.values()):
-                if peer.expired or peer.broken or peer.draining is not None:
+                # An expired peer too: one told to end for another chunk may
+                # be finishing this job's chunk before it leaves.
+                if peer.broken or peer.draining is not None:
                     continue
                 ckey, chunk = next(iter(peer.inflight.items()), (None, None))
                 if chunk is None or chunk.job is not job:
@@ -1199,7 +1201,10 @@ class PoolEngine:
     def _started(self, peer: _Peer, msg: proto.Running, now: float) -> None:
         """``peer`` says an item starts: its hard time limit runs from now
         (the owner's clock, never ahead of the slot's).  Under the lock."""
-        if self._hard is None or msg.ckey not in peer.inflight or peer.expired:
+        # An expired peer counts too: one told to end after it moved past the
+        # chunk named finishes the chunk it runs (poolworker._Loop.expire),
+        # under that chunk's limits.
+        if self._hard is None or msg.ckey not in peer.inflight:
             return
         peer.running = (msg.ckey, msg.offset)
         heap = self._deadlines
@@ -1210,7 +1215,7 @@ class PoolEngine:
         if len(heap) > 64 + 4 * len(self._peers):
             # Many quick items: keep only the entries still running.
             self._deadlines = heap = [
-                e for e in heap if e[2].running == (e[3], e[4]) and not e[2].expired
+                e for e in heap if e[2].running == (e[3], e[4])
             ]
             heapq.heapify(heap)
 
@@ -1227,7 +1232,6 @@ class PoolEngine:
                 _, _, peer, ckey, offset = heapq.heappop(heap)
                 if (
                     peer.running != (ckey, offset)
-                    or peer.expired
                     or self._peers.get(peer.key) is not peer
                 ):
                     continue  # it finished, or its loop was lost: stale
@@ -1309,7 +1313,10 @@ class PoolEngine:
                 # cancelled job): its expired chunk is settled; what it
                 # still held had not started (or did, just as the limit
                 # passed): all of it goes again, nothing counted against
-                # the item or the pool.
+                # the item or the pool.  (A slot process that had moved past
+                # the chunk named finishes the one it runs first; should it
+                # crash in that one, the chunk too goes again uncounted:
+                # once, since its next slot counts as any other.)
                 back = [c for c in peer.inflight.values() if not c.job._finished]
                 self._retry.extendleft(reversed(back))
                 if back:

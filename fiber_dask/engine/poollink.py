@@ -102,7 +102,7 @@ def connect_to_owner(
         return f"{proto.Reason.UNREACHABLE}: {e}"
     except channel.ChannelError:  # the pool is gone (closed): nothing to do
         return proto.Reason.NO_POOL
-    except (ConnectionError, EOFError) as e:  # cut in a TLS handshake: not redialled
+    except (ConnectionError, EOFError) as e:  # TLS refused, or cut after the verdict
         return f"{proto.Reason.UNREACHABLE}: the owner closed the connection ({e!r})"
 
 

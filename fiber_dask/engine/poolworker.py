@@ -144,10 +144,11 @@ class _Loop:
         and leaves as after ``maxtasksperchild``: what it runs is another
         job's, which would otherwise run again elsewhere."""
         with self.exec_lock:
-            now = self.chunk == ckey
             self.retire = True
-        if now:
-            timelimits.expire()  # a slot process ends here, now
+            if self.chunk == ckey:
+                # Under the lock: the loop cannot end this chunk and leave
+                # (writing its own reason) before the kill.
+                timelimits.expire()  # a slot process ends here, now
         self.inbox.put(proto.STOP)  # wakes a loop waiting for work: it leaves
 
     def begin(self, ckey: int) -> bool:
