@@ -195,14 +195,22 @@ class _Pending:
 
 class _RejectLog:
     """One line per peer address per LOG_INTERVAL, with a count: a warning
-    for rejections (junk, wrong keys, stalls, refused TLS); ``drops=True``
-    at INFO, for handshakes dropped to keep the bounds from an address whose
-    peers have been proving the key (:meth:`Gate._drop`): hundreds of
-    processes of one host connecting at once, which a fiber-dask client
-    dials again."""
+    for rejections (junk, wrong keys, stalls, refused TLS).
+
+    ``drops=True``: handshakes dropped to keep the bounds from an address
+    whose peers have been proving the key (:meth:`Gate._drop`), which a
+    fiber-dask client dials again: hundreds of processes of one host
+    connecting at once.  Said at INFO, and the interval's count too while
+    that address's peers proved the key at least as often as they were
+    dropped (:meth:`proved`); a count above its proofs is warned of, since
+    stalled sockets beside real clients of one address (a NAT) drop that
+    way.
+    """
 
     def __init__(self, drops: bool = False) -> None:
-        self._windows: dict[str, list] = {}  # peer -> [start, suppressed, reason]
+        #: peer -> [start, suppressed, last reason, dropped, proved]
+        self._windows: dict[str, list] = {}
+        self._drops = drops
         if drops:
             self._level = logging.INFO
             self._first = (
@@ -230,11 +238,19 @@ class _RejectLog:
             peer = "other addresses"  # a flood from many: one line for the rest
         window = self._windows.get(peer)
         if window is None:
-            self._windows[peer] = [time.monotonic(), 0, reason]
+            self._windows[peer] = [time.monotonic(), 0, reason, 1, 0]
             logger.log(self._level, self._first, peer, reason, LOG_INTERVAL)
         else:
             window[1] += 1
             window[2] = reason
+            window[3] += 1
+
+    def proved(self, peer: str) -> None:
+        """A handshake from ``peer`` proved the key (counted while a window
+        of it is open)."""
+        window = self._windows.get(peer)
+        if window is not None:
+            window[4] += 1
 
     def flush(self, now: float) -> float | None:
         """Log the counts of windows that ended; the seconds until the next
@@ -246,10 +262,21 @@ class _RejectLog:
                 nearest = left if nearest is None else min(nearest, left)
                 continue
             if window[1]:
-                logger.log(
-                    self._level, self._more, window[1], peer, LOG_INTERVAL, window[2]
-                )
-                self._windows[peer] = [now, 0, None]
+                _, more, reason, dropped, proved = window
+                if self._drops and dropped > proved:
+                    logger.warning(
+                        "fiber-dask: dropped %d handshake(s) from %s in the last %g "
+                        "s, more than the %d from it that proved the key: stalled "
+                        "sockets beside real clients of that address, or more of "
+                        "its processes connecting at once than the gate takes (the "
+                        "last: %s)",
+                        dropped, peer, LOG_INTERVAL, proved, reason,
+                    )  # fmt: skip
+                else:
+                    logger.log(
+                        self._level, self._more, more, peer, LOG_INTERVAL, reason
+                    )
+                self._windows[peer] = [now, 0, None, 0, 0]
                 nearest = (
                     LOG_INTERVAL if nearest is None else min(nearest, LOG_INTERVAL)
                 )
@@ -640,6 +667,7 @@ class Gate:
         self._note_proved(p.peer)
 
     def _note_proved(self, peer: str) -> None:
+        self._drops.proved(peer)
         proved = self._proved
         proved.pop(peer, None)
         proved[peer] = time.monotonic()
