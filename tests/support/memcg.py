@@ -71,6 +71,13 @@ class MemoryCgroup:
         os.mkdir(self.path)
         name = "memory.limit_in_bytes" if version == "v1" else "memory.max"
         self._write(name, str(limit))
+        # No swap beyond the limit, or a host with swap pages out instead of
+        # killing (where the kernel has no swap accounting, there is no file).
+        swap = ("memory.memsw.limit_in_bytes", str(limit)) if version == "v1" else (
+            "memory.swap.max", "0"
+        )
+        if os.path.exists(os.path.join(self.path, swap[0])):
+            self._write(*swap)
 
     def _write(self, name: str, value: str, directory: str | None = None) -> None:
         with open(os.path.join(directory or self.path, name), "w") as f:
