@@ -12,7 +12,8 @@ The conformance suite asks one question per test — "does fiber_dask do what st
 
 At session end the embedded cluster is shut down and we check that no worker
 process outlived it (loky's lesson: a leaked worker is a bug, and it is easy to
-miss unless a teardown asserts on it), nor a named semaphore in /dev/shm.
+miss unless a teardown asserts on it); at the end of the run, that no named
+semaphore was left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ def _fiber_session():
     the config it reads, for the whole session, and shut it down at the end.
     """
     preexisting = {p.pid for p in psutil.Process().children(recursive=True)}
-    shm = semaphores.snapshot()
     with dask.config.set({"fiber.local.n-workers": N_WORKERS}):
         try:
             yield
@@ -127,29 +127,53 @@ def _fiber_session():
             if shutdown is not None:
                 shutdown()
     _check_no_leaked_processes(preexisting)
-    _check_no_leaked_semaphores(shm)
 
 
-def _check_no_leaked_semaphores(before: set[str]) -> None:
-    """Fail if the session left named semaphores nobody holds in /dev/shm.
+# Named semaphores: /dev/shm is the machine's, so the check is the whole run's,
+# made once by the process that runs the others (pytest-xdist's controller, or
+# the only one): a worker that finished first saw, as left behind, semaphores
+# that another worker's test was still to clear (a host it had just killed).
+_shm_before: set[str] | None = None
+
+
+def _controls_the_run(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # xdist sets it on its workers
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _shm_before
+    if _controls_the_run(session.config):
+        _shm_before = semaphores.snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left named semaphores nobody holds in /dev/shm.
 
     A resource tracker unlinks its process's semaphores when that process ends,
     a moment later; harnesses that kill stand-in machines clear theirs
     (support.semaphores).  Whatever else is left leaked, on every run."""
+    if _shm_before is None or not _controls_the_run(session.config):
+        return
     try:
         wait_until(
-            lambda: not semaphores.orphans(before),
+            lambda: not semaphores.orphans(_shm_before),
             LEAK_GRACE,
-            "the resource trackers to unlink the session's semaphores",
+            "the resource trackers to unlink the run's semaphores",
         )
     except AssertionError:
-        left = semaphores.remove_orphans(before)
-        pytest.fail(
-            f"{len(left)} named semaphore(s) made during the session were left in "
+        left = semaphores.remove_orphans(_shm_before)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            f"{len(left)} named semaphore(s) made during the run were left in "
             f"/dev/shm with no process holding them (removed now): "
-            f"{', '.join(left[:10])}",
-            pytrace=False,
+            f"{', '.join(left[:10])}"
         )
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(f"FAILED (leak check): {message}", red=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
