@@ -112,6 +112,14 @@ _EXIT_WAIT = 3.0
 #: processes still running its chunks are ended: those the terminal's Ctrl-C
 #: reached end by themselves first, printing what the stdlib's workers print.
 CANCEL_GRACE = 1.0
+#: Seconds the chunks of a slot process a SIGINT ended wait before they run
+#: again: the same Ctrl-C reaches the program, whose blocking call cancels
+#: their job meanwhile, and then they never run again, as with the stdlib.
+#: With 1 s the Jupyter test failed once beside other tests on a loaded
+#: machine (a kernel slow to raise its KeyboardInterrupt lets them run
+#: again: the likely cause); a map_async's chunks, which nothing cancels, go
+#: again this much later.
+INTERRUPT_HOLD = 3.0
 
 _live: weakref.WeakSet = weakref.WeakSet()  # engines with loops, for exit
 
@@ -1375,7 +1383,7 @@ class PoolEngine:
                 # too, and its blocking call cancels the job moments later
                 # (cancel): its chunks wait that long before they run again,
                 # so that none does (the stdlib never runs them again).
-                self._held.append((time.monotonic() + CANCEL_GRACE, back))
+                self._held.append((time.monotonic() + INTERRUPT_HOLD, back))
             else:
                 self._retry.extendleft(reversed(back))
             if back and peer.draining is None:
