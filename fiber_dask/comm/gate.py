@@ -664,9 +664,10 @@ class Gate:
             if not mine:
                 del self._by_peer[p.peer]
         self.stats["trusted"] += 1
-        self._note_proved(p.peer)
 
     def _note_proved(self, peer: str) -> None:
+        """A connection from ``peer`` proved the key (once each: at its
+        hand-over, which handshakes that yield AUTHENTICATED reach too)."""
         self._drops.proved(peer)
         proved = self._proved
         proved.pop(peer, None)
