@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar
 from .. import config
 from ..errors import ClusterConnectionError
 
-__all__ = ["Backend", "ClusterHandle", "connect"]
+__all__ = ["Backend", "ClusterHandle", "connect", "last_event"]
 
 
 @dataclass
@@ -146,3 +146,15 @@ def scheduler_preloads(configured: str | list[str] | None = None) -> list[str]:
     configured = [configured] if isinstance(configured, str) else list(configured)
     extra = [] if DASHBOARD_PRELOAD in configured else [DASHBOARD_PRELOAD]
     return [*configured, *extra]
+
+
+def last_event(events: Any, *actions: str) -> dict | None:
+    """The last of a worker's scheduler events (what
+    ``scheduler.events(topic=address)`` returns: ``(time, msg)`` pairs) whose
+    ``msg`` is a dict with one of ``actions`` (``"remove-worker"``,
+    ``"worker-status-change"``), or None.  The one reader of that record for
+    the pool's causes, its drain and the batch jobs' watcher."""
+    for _, msg in reversed(list(events or ())):
+        if isinstance(msg, dict) and msg.get("action") in actions:
+            return msg
+    return None

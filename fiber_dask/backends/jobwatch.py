@@ -92,6 +92,7 @@ import dask
 
 from .. import config
 from ..errors import ClusterConnectionError
+from .base import last_event
 
 __all__ = ["BatchSystem", "ReplacesEndedJobs", "list_jobs", "slots", "submit"]
 
@@ -286,10 +287,8 @@ async def _planned_removal(cluster: Any, address: str) -> bool:
     """Whether the scheduler, removing the worker at ``address``, expected it
     (the worker had said it was closing: its lifetime, a retirement)."""
     events = await asyncio.wait_for(cluster.scheduler_comm.events(topic=address), 5)
-    for _, msg in reversed(list(events or ())):
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
-            return bool(msg.get("expected"))
-    return False
+    removal = last_event(events, "remove-worker")
+    return bool(removal and removal.get("expected"))
 
 
 def slots(cluster: Any) -> tuple[int, int]:

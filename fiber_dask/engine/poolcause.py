@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..backends.base import last_event
 from . import poolprotocol as proto
 
 __all__ = ["Causes", "WAIT"]
@@ -145,11 +146,10 @@ class Causes:
             )
         except Exception:  # noqa: BLE001 - no word: the cause stays unknown
             return None
-        for _, msg in reversed(list(events or ())):
-            if isinstance(msg, dict) and msg.get("action") == "remove-worker":
-                stimulus = str(msg.get("stimulus_id") or "")
-                return _removed(worker, stimulus)
-        return None
+        removal = last_event(events, "remove-worker")
+        if removal is None:
+            return None
+        return _removed(worker, str(removal.get("stimulus_id") or ""))
 
 
 def _silent(peer: Any) -> proto.Death:

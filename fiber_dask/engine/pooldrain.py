@@ -56,6 +56,7 @@ import weakref
 from typing import Any
 
 from .. import config
+from ..backends.base import last_event
 from . import poolprotocol as proto
 
 __all__ = ["Drain", "CLOSING"]
@@ -260,13 +261,7 @@ async def _look_back(client: Any, worker: str) -> None:
         events = await client.scheduler.events(topic=worker)
     except Exception:  # noqa: BLE001 - a slow or lost scheduler: events still come
         return
-    last = None
-    for _, msg in events or ():
-        if isinstance(msg, dict) and msg.get("action") in (
-            "worker-status-change",
-            "remove-worker",
-        ):
-            last = msg
+    last = last_event(events, "worker-status-change", "remove-worker")
     if last is not None:
         _on_event(client, worker, last)
 
