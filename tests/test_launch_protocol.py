@@ -82,9 +82,12 @@ def test_hello_round_trips_through_the_handshake_as_plain_data():
     assert pickle.loads(pickle.dumps(wire)) == wire
     assert type(wire) is dict
     back = proto.Hello.from_wire(wire)
-    assert (back.pid, back.worker) == (123, "tcp://10.0.0.1:4000")
+    assert (back.pid, back.worker, back.task) == (123, "tcp://10.0.0.1:4000", True)
+    beside = proto.Hello.from_wire(proto.Hello(5, None, task=False).to_wire())
+    assert beside.task is False
     none = proto.Hello.from_wire(None)  # a peer that sent no hello
-    assert (none.pid, none.worker) == (None, None)
+    # Not known to be the task: its queued task is cancelled, as for a twin.
+    assert (none.pid, none.worker, none.task) == (None, None, False)
 
 
 def test_the_launch_result_travels_as_a_task_result():

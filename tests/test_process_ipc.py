@@ -175,6 +175,71 @@ def test_fiber_meta_places_a_process_on_a_worker_with_the_resource(tmp_path):
         fiber_dask.meta(tpu=1)
 
 
+def hold_until(release, started, ended):
+    with open(started, "w") as f:
+        f.write(repr(time.time()))
+    while not os.path.exists(release):
+        time.sleep(0.01)
+    with open(ended, "w") as f:
+        f.write(repr(time.time()))
+
+
+def mark_start(started):
+    with open(started, "w") as f:
+        f.write(repr(time.time()))
+
+
+def test_a_running_process_holds_its_resources_until_it_ends(tmp_path):
+    """``resources={"GPU": 1}`` stays reserved while the Process runs: the
+    scheduler counts it used, and a second Process that asks for the one GPU
+    starts only after the first has ended (neither as a task nor beside the
+    worker's tasks).  The launcher task used to be cancelled as soon as it
+    connected (a client's future stays "pending" while its task runs), which
+    freed the GPU for anyone at once."""
+    from distributed import Client
+    from support.clusters import loopback_cluster
+
+    import fiber_dask
+    from fiber_dask.launch.popen import _free_resources
+
+    release = tmp_path / "release"
+    a_started, a_ended = tmp_path / "a-started", tmp_path / "a-ended"
+    b_started = tmp_path / "b-started"
+    with loopback_cluster(1, resources={"GPU": 1}) as cluster, Client(
+        cluster, set_as_default=False
+    ) as c:
+        a = fiber_dask.Process(
+            target=hold_until,
+            args=(str(release), str(a_started), str(a_ended)),
+            resources={"GPU": 1},
+            client=c,
+        )
+        a.start()
+        b = None
+        try:
+            wait_until(a_started.exists, 60, "the first Process to start")
+            (room,) = c.run_on_scheduler(_free_resources).values()
+            assert room == {"GPU": 0}, "the running Process's GPU is not held"
+            b = fiber_dask.Process(
+                target=mark_start,
+                args=(str(b_started),),
+                resources={"GPU": 1},
+                client=c,
+            )
+            b.start()
+            b._popen._beside_timer.join(30)  # its launch beside tasks decided
+            assert not b._popen._claimed and not b_started.exists(), (
+                "the second Process started while the first held the GPU"
+            )
+        finally:
+            release.touch()
+            a.join(60)
+            if b is not None:
+                b.join(60)
+        assert (a.exitcode, b.exitcode) == (0, 0)
+        assert float(b_started.read_text()) >= float(a_ended.read_text())
+
+
 def put_pid(q):
     q.put(os.getpid())
 

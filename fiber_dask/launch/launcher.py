@@ -57,12 +57,19 @@ ORPHAN_GRACE = 5.0
 
 
 def run_launcher(
-    address: tuple[str, int], authkey: bytes, service: str, worker: Any = None
+    address: tuple[str, int],
+    authkey: bytes,
+    service: str,
+    worker: Any = None,
+    *,
+    task: bool = True,
 ) -> LaunchResult:
     """Body of a Process's Dask task: start the child and relay for it.
 
-    Returns how it ended (see :class:`Outcome`); for ``UNREACHABLE`` the
-    error, which the parent puts in :attr:`fiber_dask.Process.reason`.
+    ``task`` False: run by :func:`launch_beside_tasks` (the parent then
+    cancels the queued task, which this launcher replaces).  Returns how it
+    ended (see :class:`Outcome`); for ``UNREACHABLE`` the error, which the
+    parent puts in :attr:`fiber_dask.Process.reason`.
     """
     try:
         if worker is None:
@@ -79,7 +86,7 @@ def run_launcher(
             address,
             authkey,
             service,
-            hello=proto.Hello(os.getpid(), worker_address).to_wire(),
+            hello=proto.Hello(os.getpid(), worker_address, task).to_wire(),
         )
     except channel.Unreachable as e:  # the parent's address, from this host
         return LaunchResult(Outcome.UNREACHABLE, str(e))
@@ -109,6 +116,7 @@ def launch_beside_tasks(address, authkey, service, dask_worker=None) -> None:
     threading.Thread(
         target=run_launcher,
         args=(address, authkey, service, dask_worker),
+        kwargs={"task": False},
         name="fiber-process-launcher",
         daemon=True,
     ).start()

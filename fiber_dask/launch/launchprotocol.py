@@ -67,22 +67,25 @@ class ProtocolError(ValueError):
 
 class Hello:
     """Launcher → parent, in the channel's handshake: the process that runs
-    the launcher (``pid``) and its Dask worker's address (``worker``), which
-    ``Process.reason`` names if it is lost.  Travels as a plain dict (the
-    channel's handshake carries small plain data only)."""
+    the launcher (``pid``), its Dask worker's address (``worker``), which
+    ``Process.reason`` names if it is lost, and whether it runs as the
+    Process's Dask task (``task``: it holds the Process's ``resources=``
+    until the child ends) or beside a worker's tasks (its twin, started when
+    the task stayed queued: the queued task is then cancelled).  Travels as
+    a plain dict (the channel's handshake carries small plain data only)."""
 
-    __slots__ = ("pid", "worker")
+    __slots__ = ("pid", "worker", "task")
 
-    def __init__(self, pid: int | None, worker: str | None) -> None:
-        self.pid, self.worker = pid, worker
+    def __init__(self, pid: int | None, worker: str | None, task: bool = True) -> None:
+        self.pid, self.worker, self.task = pid, worker, task
 
     def to_wire(self) -> dict:
-        return {"pid": self.pid, "worker": self.worker}
+        return {"pid": self.pid, "worker": self.worker, "task": self.task}
 
     @classmethod
     def from_wire(cls, raw: Any) -> Hello:
         raw = raw if isinstance(raw, dict) else {}
-        return cls(raw.get("pid"), raw.get("worker"))
+        return cls(raw.get("pid"), raw.get("worker"), raw.get("task") is True)
 
 
 class Payload:

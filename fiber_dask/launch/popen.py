@@ -177,6 +177,7 @@ class Popen:
         )
         timer.daemon = True
         timer.start()
+        self._beside_timer = timer  # tests join it: the decision is made
 
     # ---------------------------------------------------------- Popen interface
 
@@ -266,10 +267,13 @@ class Popen:
                 channel.hangup(conn)
                 return
             self._server.unregister(self._service)
-            if self._future is not None and self._future.status == "pending":
-                # Launched beside tasks: the queued task is not needed.
-                _cancel_quietly(self._client, self._future)
             hello = proto.Hello.from_wire(hello)
+            if not hello.task and self._future is not None:
+                # Launched beside tasks: the queued task is not needed.  (Not
+                # when the task itself connected: a client's future stays
+                # "pending" while its task runs, and cancelling it would free
+                # the Process's resources= for others while it runs.)
+                _cancel_quietly(self._client, self._future)
             self.worker = hello.worker
             self.worker_pid = hello.pid
             payload, self._payload = self._payload, None
