@@ -31,6 +31,8 @@ import threading
 import time
 from multiprocessing import connection
 
+from support import stackdump
+
 _CHALLENGE = b"CHALLENGE#"  # the end of both protocols' challenge tags
 _FAILURE = b"FAILURE#"
 _TLS_HELLO = b"#FIBER-TLS#"  # what a TLS endpoint says first, in clear
@@ -207,4 +209,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stackdump.install()  # where it hangs, if a test gives up on it
     main()

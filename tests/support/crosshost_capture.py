@@ -23,6 +23,8 @@ import struct
 import sys
 from collections import defaultdict
 
+from support import stackdump
+
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
 SO_RCVBUFFORCE = 33
@@ -107,4 +109,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stackdump.install()  # where it hangs, if a test gives up on it
     main()

@@ -29,6 +29,8 @@ from wait import wait_until  # tests/support, this script's directory
 
 import fiber_dask as multiprocessing
 
+from support import stackdump
+
 T0 = time.monotonic()
 
 
@@ -899,6 +901,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stackdump.install()  # where it hangs, if a test gives up on it
     # Stop at once if the test is interrupted (its end of our stdin closes).
     signal.signal(signal.SIGTERM, lambda *a: os._exit(1))
     main()

@@ -23,6 +23,8 @@ import traceback
 import fiber_dask as multiprocessing
 from fiber_dask.connection import wait
 
+from support import stackdump
+
 
 def emit(event: str, **data) -> None:
     print(json.dumps({"event": event, **data}, default=repr), flush=True)
@@ -78,6 +80,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    stackdump.install()  # where it hangs, if a test gives up on it
     signal.signal(signal.SIGTERM, lambda *a: os._exit(1))
     try:
         result = main()

@@ -22,6 +22,7 @@ import traceback
 
 from fiber_dask import cluster
 from fiber_dask.experimental import Ring, RingError
+from support import stackdump
 from support import ringreduce
 
 
@@ -56,6 +57,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    stackdump.install()  # where it hangs, if a test gives up on it
     signal.signal(signal.SIGTERM, lambda *a: os._exit(1))
     try:
         result = main()

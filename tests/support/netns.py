@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from support import semaphores
+from support import semaphores, stackdump
 
 __all__ = [
     "unavailable",
@@ -484,6 +484,7 @@ class Script:
             try:
                 event = self.events.get(timeout=max(0.0, left))
             except queue.Empty:
+                stackdump.request(self.proc.pid, self.proc.log_path)
                 raise AssertionError(
                     f"{self.name}: no {name!r} event within {timeout:g} s\n"
                     + self.host.net.logs()
