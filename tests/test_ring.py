@@ -218,3 +218,30 @@ def test_a_ring_runs_again_with_its_own_restart_budget(tmp_path):
     # died-once exists now: the second run needs no restart, and says so.
     assert ring.run() == [1, 1] and ring.restarts == 0 and ring.failures == []
     assert len(executions(once)) == 6  # 2 members x (2 rings + 1)
+
+
+def test_a_members_end_and_the_reports_end_of_file_seen_in_one_wait():
+    """The watch's one wait can return the last member's sentinel and the
+    reports pipe together (sentinels come first).  Reading that member's end
+    drains the pipe to its end of file; the pipe, still in the ready list,
+    must then not be taken for a sentinel (it was: ``KeyError`` out of
+    ``run()``, seen once in a loaded run of the raising-member test)."""
+    from types import SimpleNamespace
+
+    from fiber_dask.connection import Pipe
+    from fiber_dask.experimental import ring as ring_module
+
+    reports, report_end = Pipe(duplex=False)
+    _, down = Pipe(duplex=False)
+    report_end.send(ring_module._Ready(0, "127.0.0.1", 1, os.getpid()))
+    report_end.send(ring_module._Done(0, "result"))
+    report_end.close()  # the member's copy: the reports pipe is at its end
+    r, w = os.pipe()
+    os.close(w)  # the member's sentinel: it has ended
+    member = SimpleNamespace(sentinel=r, exitcode=0, reason=None, _popen=None)
+    try:
+        ring = Ring(1, _rank_and_size, None)
+        watch = ring_module._Watch(ring, [member], [down], reports)
+        assert watch.run() == ["result"]
+    finally:
+        os.close(r)

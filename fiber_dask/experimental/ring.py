@@ -417,8 +417,10 @@ class _Watch:
             for obj in wait(waiting, left):
                 if obj is self.reports:
                     self._read()
-                else:
+                elif obj in self.sentinel_rank:
                     self._ended(self.sentinel_rank[obj])
+                # else: the reports pipe, drained to its end of file by a
+                # member's _ended earlier in this list (self.reports is None)
             now = time.monotonic()
             if self.failed_at is not None and now >= self.failed_at + SETTLE:
                 self._raise()
