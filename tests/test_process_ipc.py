@@ -189,11 +189,16 @@ def mark_start(started):
         f.write(repr(time.time()))
 
 
+def _workers_to_close(dask_scheduler=None):
+    return dask_scheduler.workers_to_close()
+
+
 def test_a_running_process_holds_its_resources_until_it_ends(tmp_path):
     """``resources={"GPU": 1}`` stays reserved while the Process runs: the
     scheduler counts it used, and a second Process that asks for the one GPU
     starts only after the first has ended (neither as a task nor beside the
-    worker's tasks).  The launcher task used to be cancelled as soon as it
+    worker's tasks); adaptive scaling does not pick its worker to close.  The
+    launcher task used to be cancelled as soon as it
     connected (a client's future stays "pending" while its task runs), which
     freed the GPU for anyone at once."""
     from distributed import Client
@@ -220,6 +225,9 @@ def test_a_running_process_holds_its_resources_until_it_ends(tmp_path):
             wait_until(a_started.exists, 60, "the first Process to start")
             (room,) = c.run_on_scheduler(_free_resources).values()
             assert room == {"GPU": 0}, "the running Process's GPU is not held"
+            # Nor may an adaptive cluster retire the worker under it (Dask
+            # never closes a worker that runs a long-running task).
+            assert c.run_on_scheduler(_workers_to_close) == []
             b = fiber_dask.Process(
                 target=mark_start,
                 args=(str(b_started),),
