@@ -484,10 +484,11 @@ class Script:
             try:
                 event = self.events.get(timeout=max(0.0, left))
             except queue.Empty:
-                stackdump.request(self.proc.pid, self.proc.log_path)
+                stacks = stackdump.request(self.proc.pid, self.proc.log_path)
                 raise AssertionError(
                     f"{self.name}: no {name!r} event within {timeout:g} s\n"
                     + self.host.net.logs()
+                    + (f"\n---- {self.name}: its threads\n{stacks}" if stacks else "")
                 ) from None
             if event is None:
                 self.events.put(None)

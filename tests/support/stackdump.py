@@ -2,8 +2,9 @@
 
 A script that a test drives (``support/crosshost_*.py``) calls
 :func:`install` first; when the test gives up waiting for it,
-:func:`request` has it print every thread's stack to its stderr (its log,
-which the failure shows), so a hang seen once in CI says where it hung.
+:func:`request` has it print every thread's stack to its stderr (its log)
+and returns them, for the failure's message: a hang seen once in CI then
+says where it hung.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-_MARK = "most recent call first"
+_MARK = b"most recent call first"
 
 
 def install() -> None:
@@ -22,19 +23,26 @@ def install() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def request(pid: int, log_path: Path, timeout: float = 5.0) -> None:
-    """Ask the script ``pid`` for its stacks and wait (at most ``timeout``
-    s) until they are in ``log_path``; no error if it cannot answer."""
+def request(pid: int, log_path: Path, timeout: float = 5.0) -> str:
+    """Ask the script ``pid`` for its stacks, wait (at most ``timeout`` s)
+    until they are in ``log_path``, and return them ('' if it cannot answer)."""
+    path = Path(log_path)
     try:
-        before = Path(log_path).read_text(errors="replace").count(_MARK)
+        start = path.stat().st_size
         os.kill(pid, signal.SIGUSR1)
     except OSError:
-        return
+        return ""
     deadline = time.monotonic() + timeout
+    seen = b""
     while time.monotonic() < deadline:
         try:
-            if Path(log_path).read_text(errors="replace").count(_MARK) > before:
-                return  # one signal handler writes them all, at once
+            with open(path, "rb") as f:
+                f.seek(start)
+                new = f.read()
         except OSError:
-            return
+            break
+        if _MARK in new and new == seen:
+            break  # written, and no more since the last look
+        seen = new
         time.sleep(0.05)
+    return seen.decode(errors="replace") if _MARK in seen else ""
