@@ -245,3 +245,57 @@ def test_a_members_end_and_the_reports_end_of_file_seen_in_one_wait():
         assert watch.run() == ["result"]
     finally:
         os.close(r)
+
+
+def test_a_member_that_ended_and_its_report_seen_in_one_wait_do_not_block_the_watch():
+    """As above without the end of file: member 0 has reported and ended,
+    member 1 still runs.  Reading member 0's end drains the pipe; the pipe,
+    still in the ready list, must not be read again (``recv`` on the empty
+    pipe blocked the watch for good: a cross-host ring whose host was lost
+    never raised, seen in CI and then reproduced with its stacks).  Member 1
+    then dies without a word, and the ring fails naming it."""
+    from types import SimpleNamespace
+
+    from fiber_dask.connection import Pipe
+    from fiber_dask.experimental import ring as ring_module
+
+    reports, report_end = Pipe(duplex=False)  # report_end open: member 1's copy
+    downs = [Pipe(duplex=False)[1] for _ in range(2)]
+    for rank in (0, 1):
+        report_end.send(ring_module._Ready(rank, "127.0.0.1", 1 + rank, os.getpid()))
+    report_end.send(ring_module._Done(0, "result"))
+    sentinels = [os.pipe(), os.pipe()]
+    os.close(sentinels[0][1])  # member 0 has ended
+    members = [
+        SimpleNamespace(sentinel=r, exitcode=0, reason=None, _popen=None)
+        for r, _ in sentinels
+    ]
+    ring = Ring(2, _rank_and_size, None)
+    watch = ring_module._Watch(ring, members, downs, reports)
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(watch.run())
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: 0 in watch.ended, 30, "the watch to read member 0's end")
+        members[1].exitcode = -signal.SIGKILL
+        os.close(sentinels[1][1])  # member 1 dies without a report
+        wait_until(
+            lambda: not t.is_alive(),
+            30,
+            "the watch to see member 1 die (not stuck reading an empty pipe)",
+        )
+    finally:
+        report_end.close()  # unblocks a watch stuck in recv, for cleanup
+        t.join(30)
+        for r, _ in sentinels:
+            os.close(r)
+    (error,) = outcome
+    assert isinstance(error, RingError), error
+    assert error.rank == 1 and error.exitcode == -signal.SIGKILL, error

@@ -415,12 +415,13 @@ class _Watch:
                 ends.append(self.failed_at + SETTLE)
             left = max(min(ends) - time.monotonic(), 0.0) if ends else None
             for obj in wait(waiting, left):
-                if obj is self.reports:
-                    self._read()
-                elif obj in self.sentinel_rank:
+                if obj in self.sentinel_rank:
                     self._ended(self.sentinel_rank[obj])
-                # else: the reports pipe, drained to its end of file by a
-                # member's _ended earlier in this list (self.reports is None)
+                # The reports pipe: a member's _ended earlier in this list may
+                # have read it empty (then recv would block for good) or to
+                # its end of file (then self.reports is None).
+                elif obj is self.reports and self.reports.poll(0):
+                    self._read()
             now = time.monotonic()
             if self.failed_at is not None and now >= self.failed_at + SETTLE:
                 self._raise()
