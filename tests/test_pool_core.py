@@ -140,6 +140,31 @@ def test_function_cache_after_a_loop_was_replaced(client):
         _many_functions(pool, 700, start=700)
 
 
+def test_a_slots_pid_waits_for_the_process_that_replaces_a_lost_one(client):
+    """``Pool._pool[i].pid`` right after the slot's process was lost is its
+    replacement's pid, as for a slot that is starting.  It was None while the
+    lost loop's Dask task had not ended yet (its connection gone, no new loop
+    submitted), which a program reading the pids met at random (a CI run's
+    ``[None, 16806]``).  The Dask worker that runs the loop's task is stopped
+    while the slot process is killed, which holds that window open."""
+    with fiber_dask.Pool(2, client=client) as pool:
+        slot = pool._pool[0]
+        victim = slot.pid
+        assert victim is not None
+        worker = slot.worker
+        worker_pid = client.run(os.getpid, workers=[worker])[worker]
+        os.kill(worker_pid, signal.SIGSTOP)
+        try:
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda: slot._peer() is None, 60, "the owner to see the loss")
+            assert slot._starting(), "a slot between loops is not said to be starting"
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+        new = slot.pid
+        assert new not in (None, victim), new
+        assert pool.map(abs, range(-4, 0)) == [4, 3, 2, 1]
+
+
 def _owner_only_module(name):
     """A module only this process has: the workers cannot import it, so
     what cloudpickle pickles from it by reference fails to load there."""

@@ -293,10 +293,19 @@ class PoolSlot:
         return self._engine._peer_at.get(self._position)
 
     def _starting(self) -> bool:
-        """A loop was submitted for this slot and has not connected yet."""
+        """A process for this slot is on its way: a loop was submitted and
+        has not connected, or (a running pool that never gives slots back)
+        the slot is between loops, whose replacement the pool's maintenance
+        submits once the old loop's task has ended."""
         engine = self._engine
-        if engine.state not in (RUN, CLOSE):
+        if engine.state not in (RUN, CLOSE) or engine.broken is not None:
             return False
+        if engine.state == RUN and engine._elastic is None:
+            # Every position of such a pool is refilled: after a loss the
+            # old loop is known gone (its connection) a moment before its
+            # task has ended and its replacement is submitted, and in
+            # between the slot has no loop at all.
+            return True
         early = engine._early
         if early is not None and early.starting_at(self._position):
             return True
@@ -305,9 +314,9 @@ class PoolSlot:
     @property
     def pid(self) -> int | None:
         """The pid of the process running this slot's tasks.  While that
-        process is starting (after ``Pool()``, after a recycle) this waits for
-        it, as ``Process.pid`` does, at most ``_PID_WAIT`` seconds; None if no
-        process serves the slot then."""
+        process is starting (after ``Pool()``, after a recycle or a loss)
+        this waits for it, as ``Process.pid`` does, at most ``_PID_WAIT``
+        seconds; None if no process serves the slot then."""
         deadline = time.monotonic() + _PID_WAIT
         delay = 0.005
         while True:
