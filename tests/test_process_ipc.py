@@ -175,18 +175,14 @@ def test_fiber_meta_places_a_process_on_a_worker_with_the_resource(tmp_path):
         fiber_dask.meta(tpu=1)
 
 
+def stamp(path):
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
 def hold_until(release, started, ended):
-    with open(started, "w") as f:
-        f.write(repr(time.time()))
-    while not os.path.exists(release):
-        time.sleep(0.01)
-    with open(ended, "w") as f:
-        f.write(repr(time.time()))
-
-
-def mark_start(started):
-    with open(started, "w") as f:
-        f.write(repr(time.time()))
+    busy_until(release, started)  # (below)
+    stamp(ended)
 
 
 def _workers_to_close(dask_scheduler=None):
@@ -229,7 +225,7 @@ def test_a_running_process_holds_its_resources_until_it_ends(tmp_path):
             # never closes a worker that runs a long-running task).
             assert c.run_on_scheduler(_workers_to_close) == []
             b = fiber_dask.Process(
-                target=mark_start,
+                target=stamp,
                 args=(str(b_started),),
                 resources={"GPU": 1},
                 client=c,
