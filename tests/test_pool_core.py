@@ -152,12 +152,16 @@ def test_a_slots_pid_waits_for_the_process_that_replaces_a_lost_one(client):
         victim = slot.pid
         assert victim is not None
         worker = slot.worker
+        assert repr(slot) == f"<PoolSlot PoolWorker-1 pid={victim} worker={worker}>"
         worker_pid = client.run(os.getpid, workers=[worker])[worker]
         os.kill(worker_pid, signal.SIGSTOP)
         try:
             os.kill(victim, signal.SIGKILL)
             wait_until(lambda: slot._peer() is None, 60, "the owner to see the loss")
             assert slot._starting(), "a slot between loops is not said to be starting"
+            # its repr says so at once (it used to wait for the pid, here up
+            # to 30 s, and then showed pid=None)
+            assert repr(slot) == "<PoolSlot PoolWorker-1 starting>", repr(slot)
         finally:
             os.kill(worker_pid, signal.SIGCONT)
         new = slot.pid

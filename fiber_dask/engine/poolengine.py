@@ -346,7 +346,13 @@ class PoolSlot:
         return self._peer() is not None
 
     def __repr__(self) -> str:
-        return f"<PoolSlot {self.name} pid={self.pid} worker={self.worker}>"
+        # Never waits, as ``pid`` may: a repr is read in a debugger, a log
+        # line or an error message.
+        peer = self._peer()
+        if peer is not None:
+            return f"<PoolSlot {self.name} pid={peer.pid} worker={peer.worker}>"
+        state = "starting" if self._starting() else "no process"
+        return f"<PoolSlot {self.name} {state}>"
 
 
 class PoolEngine:
